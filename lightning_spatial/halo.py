@@ -1,0 +1,160 @@
+"""Fetch a window ``[a, b)`` of a sharded dim, padded per mode, and its adjoint (scatter-add to owners).
+
+Every spatial op reduces to this primitive with its own window arithmetic (``layout.py``). All ranks of
+the axis know every rank's window (it follows from the op and the partition rule), so each rank knows what
+to send to whom without a handshake. Messages are neighbour point-to-point (one per ordered pair of ranks
+that share rows, so a thin shard makes data come from further ranks), batched with ``batch_isend_irecv``.
+Positions outside ``[0, n)`` read the mode's source row (reflect, replicate, circular: possibly from the
+far border rank) or the fill value. A window inside the rank's own rows is a view: no copy, no message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from .layout import partition, source_index
+from .tensor import DimShard
+
+# A selection along the dim: a ``range`` for a contiguous run (narrow), else a tuple of indices.
+Selection = range | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    length: int
+    view: range | None  # the window is exactly these local rows: return a view
+    local: tuple[Selection, Selection] | None  # (window positions, local rows)
+    recvs: tuple[tuple[int, Selection, int], ...]  # (peer index, window positions, count)
+    sends: tuple[tuple[int, Selection], ...]  # (peer index, local rows)
+    covered: bool  # every window position is data (no fill)
+
+
+def _selection(values: list[int]) -> Selection:
+    run = range(values[0], values[0] + len(values))
+    return run if values == list(run) else tuple(values)
+
+
+@lru_cache(maxsize=1024)
+def _plan(n: int, parts: int, me: int, windows: tuple[tuple[int, int], ...], mode: str) -> _Plan:
+    bounds = partition(n, parts)
+
+    def pieces(j: int) -> dict[int, tuple[list[int], list[int]]]:
+        """For rank j's window: owner -> (window positions, owner's local rows)."""
+        a, b = windows[j]
+        out: dict[int, tuple[list[int], list[int]]] = {}
+        for pos in range(a, b):
+            src = source_index(pos, n, mode)
+            if src >= 0:
+                owner = next(r for r, (s, e) in enumerate(bounds) if s <= src < e)
+                positions, rows = out.setdefault(owner, ([], []))
+                positions.append(pos - a)
+                rows.append(src - bounds[owner][0])
+        return out
+
+    mine = pieces(me)
+    length = windows[me][1] - windows[me][0]
+    covered = sum(len(p) for p, _ in mine.values()) == length
+    local = (_selection(mine[me][0]), _selection(mine[me][1])) if me in mine else None
+    recvs = tuple((r, _selection(p), len(p)) for r, (p, _) in sorted(mine.items()) if r != me)
+    sends = []
+    for j in range(parts):
+        theirs = pieces(j) if j != me else {}
+        if me in theirs:
+            sends.append((j, _selection(theirs[me][1])))
+    if covered and not recvs and not sends and all(isinstance(sel, range) for sel in local):
+        return _Plan(length, local[1], None, (), (), True)
+    return _Plan(length, None, local, recvs, tuple(sends), covered)
+
+
+def _p2p(axis, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+    ops = [dist.P2POp(dist.isend, t, axis.ranks[j], axis.group) for j, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, axis.ranks[j], axis.group) for j, t in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _shape(x: torch.Tensor, dim: int, length: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] = length
+    return shape
+
+
+class _FetchWindow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: _Plan, dim: int, shard: DimShard, fill: float) -> torch.Tensor:
+        ctx.plan, ctx.dim, ctx.axis = plan, dim, shard.axis
+        sends = [(j, _select(x, dim, rows).contiguous()) for j, rows in plan.sends]
+        recvs = [(j, x.new_empty(_shape(x, dim, count))) for j, _, count in plan.recvs]
+        _p2p(shard.axis, sends, recvs)
+        out = x.new_empty(_shape(x, dim, plan.length)) if plan.covered else x.new_full(_shape(x, dim, plan.length), fill)
+        if plan.local is not None:
+            _put(out, dim, plan.local[0], _select(x, dim, plan.local[1]))
+        for (_, pos, _), (_, buf) in zip(plan.recvs, recvs):
+            _put(out, dim, pos, buf)
+        ctx.local_shape = x.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        plan, dim = ctx.plan, ctx.dim
+        sends = [(j, _select(grad, dim, pos).contiguous()) for j, pos, _ in plan.recvs]
+        recvs = [(j, grad.new_empty(_shape(grad, dim, _count(rows)))) for j, rows in plan.sends]
+        _p2p(ctx.axis, sends, recvs)
+        grad_x = grad.new_zeros(ctx.local_shape)
+        if plan.local is not None:
+            _add(grad_x, dim, plan.local[1], _select(grad, dim, plan.local[0]))
+        for (_, rows), (_, buf) in zip(plan.sends, recvs):
+            _add(grad_x, dim, rows, buf)
+        return grad_x, None, None, None, None
+
+
+def _count(sel) -> int:
+    return sel.stop - sel.start if isinstance(sel, range) else len(sel)
+
+
+def _select(x: torch.Tensor, dim: int, sel) -> torch.Tensor:
+    if isinstance(sel, range):
+        return x.narrow(dim, sel.start, sel.stop - sel.start)
+    return x.index_select(dim, torch.as_tensor(sel, device=x.device))
+
+
+def _put(out: torch.Tensor, dim: int, sel, value: torch.Tensor) -> None:
+    if isinstance(sel, range):
+        out.narrow(dim, sel.start, sel.stop - sel.start).copy_(value)
+    else:
+        out.index_copy_(dim, torch.as_tensor(sel, device=out.device), value)
+
+
+def _add(out: torch.Tensor, dim: int, sel, value: torch.Tensor) -> None:
+    if isinstance(sel, range):
+        out.narrow(dim, sel.start, sel.stop - sel.start).add_(value)
+    else:
+        out.index_add_(dim, torch.as_tensor(sel, device=out.device), value)
+
+
+def fetch_window(
+    x: torch.Tensor,
+    shard: DimShard,
+    windows: Sequence[tuple[int, int]],
+    mode: str = "zeros",
+    fill: float = 0.0,
+) -> torch.Tensor:
+    """Rows ``windows[me]`` of the global dim ``shard.dim`` of local shard ``x``, padded per ``mode``.
+
+    ``windows`` holds every rank's window along ``shard.axis`` (the same list on every rank). Positions
+    outside ``[0, n)`` read the row ``mode`` maps them to, or ``fill`` for zeros/constant padding.
+    Differentiable: the window's gradient is scatter-added back to the rows' owners.
+    """
+    plan = _plan(shard.size, shard.axis.size, shard.axis.index, tuple(map(tuple, windows)), mode)
+    if plan.view is not None:
+        return _select(x, shard.dim, plan.view)
+    return _FetchWindow.apply(x, plan, shard.dim, shard, fill)
+
+
+__all__ = ["fetch_window"]

@@ -1,0 +1,17 @@
+"""Spatial op handlers, one module per family; ``install`` registers them all (CPU and GPU alike)."""
+
+from __future__ import annotations
+
+from ..tensor import HANDLERS
+from . import conv, pad, pool
+
+FAMILIES = (conv, pad, pool)
+
+
+def install() -> None:
+    """Route the torch functions each family handles to its handlers for every ``SpatialTensor``."""
+    for family in FAMILIES:
+        HANDLERS.update(family.HANDLERS)
+
+
+__all__ = ["FAMILIES", "install"]

@@ -1,0 +1,72 @@
+"""What every spatial op handler shares: argument normalisation, checks, and the sliding-window fetch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..halo import fetch_window
+from ..layout import partition
+from ..tensor import DimShard, Layout, LayoutError, SpatialTensor
+
+
+def ntuple(value: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * n
+    value = tuple(int(v) for v in value)
+    if len(value) == 1:
+        return value * n
+    if len(value) != n:
+        raise ValueError(f"{name} must be an int or {n} ints, got {value}")
+    return value
+
+
+def require_replicated(op: str, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if isinstance(t, SpatialTensor):
+            raise LayoutError(f"{op}: {name} is sharded; weights and biases must be replicated (plain tensors)")
+
+
+def spatial_shards(op: str, x: torch.Tensor, layout: Layout, nd: int) -> dict[int, DimShard]:
+    """Sharded dims as spatial index (0 = first of the op's ``nd`` spatial dims) -> shard."""
+    out = {}
+    for s in layout.shards:
+        i = s.dim + nd
+        if i < 0:
+            raise LayoutError(
+                f"{op}: input of shape {tuple(layout.global_shape(x))} is sharded along dim {s.dim}, which is not one "
+                f"of its {nd} spatial dims; shard only the trailing spatial dims (height, width)"
+            )
+        out[i] = s
+    return out
+
+
+def check_output_size(op: str, shard: DimShard, out_size: int) -> None:
+    if out_size < shard.axis.size:
+        raise LayoutError(
+            f"{op}: output size {out_size} along dim {shard.dim} (input {shard.size}) is smaller than its "
+            f"{shard.axis.size} ranks; every rank needs at least one output row. Use fewer ranks along this dim, "
+            f"a larger input, or gather before this layer"
+        )
+
+
+def fetch_windows(
+    x: torch.Tensor,
+    shards: dict[int, DimShard],
+    out_sizes: dict[int, int],
+    window: Callable[[int, int, int], tuple[int, int]],
+    mode: str = "zeros",
+    fill: float = 0.0,
+) -> torch.Tensor:
+    """For each sharded spatial dim ``i``, fetch the input rows ``window(i, lo, hi)`` that produce every
+    rank's output rows ``[lo, hi)`` (output partitioned by the rule). One dim after the other, so 2-D
+    tiles receive their corners from the already widened tensor."""
+    for i, s in shards.items():
+        windows = [window(i, lo, hi) for lo, hi in partition(out_sizes[i], s.axis.size)]
+        x = fetch_window(x, s, windows, mode, fill)
+    return x
+
+
+def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:
+    return layout.with_sizes({s.dim: out_sizes[i] for i, s in shards.items()})

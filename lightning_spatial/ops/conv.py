@@ -1,0 +1,103 @@
+"""Convolutions over sharded spatial dims: fetch each rank's input window (halo), convolve locally.
+
+Any kernel, stride, padding (ints, tuples, 'same', 'valid'), dilation and groups. Non-zero padding modes
+reach us as ``F.pad`` (that is how ``nn.Conv2d`` applies them), handled in ``ops/pad.py``.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from ..layout import conv_out_size, conv_window, partition, transposed_window
+from ..tensor import unwrap, wrap
+from ._common import check_output_size, fetch_windows, ntuple, output_layout, require_replicated, spatial_shards
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _conv_padding(padding, kernel, stride, dilation, nd, op) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if padding == "valid":
+        return (0,) * nd, (0,) * nd
+    if padding == "same":
+        if any(s != 1 for s in stride):
+            raise ValueError(f"{op}: padding='same' is not supported for strided convolutions (torch's rule)")
+        total = [d * (k - 1) for k, d in zip(kernel, dilation)]
+        return tuple(t // 2 for t in total), tuple(t - t // 2 for t in total)
+    if isinstance(padding, str):
+        raise ValueError(f"{op}: invalid padding string {padding!r}, expected 'same' or 'valid'")
+    pad = ntuple(padding, nd, "padding")
+    return pad, pad
+
+
+def _convolution(nd: int):
+    op = f"conv{nd}d"
+
+    def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        x, layout = unwrap(input)
+        require_replicated(op, weight=weight, bias=bias)
+        kernel = tuple(weight.shape[2:])
+        stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
+        lo, hi = _conv_padding(padding, kernel, stride, dilation, nd, op)
+        shards = spatial_shards(op, x, layout, nd)
+        out_sizes = {i: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i]) for i, s in shards.items()}
+        for i, s in shards.items():
+            check_output_size(op, s, out_sizes[i])
+        x = fetch_windows(
+            x, shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], lo[i], dilation[i])
+        )
+        local_lo = [0 if i in shards else lo[i] for i in range(nd)]
+        local_hi = [0 if i in shards else hi[i] for i in range(nd)]
+        if local_lo != local_hi:  # asymmetric 'same' padding on an unsharded dim
+            x = F.pad(x, [p for i in reversed(range(nd)) for p in (local_lo[i], local_hi[i])])
+            local_lo = [0] * nd
+        out = _CONV[nd](x, weight, bias, stride, local_lo, dilation, groups)
+        return wrap(out, output_layout(layout, shards, out_sizes))
+
+    conv.__name__ = op
+    return conv
+
+
+def _transposed(nd: int):
+    op = f"conv_transpose{nd}d"
+
+    def conv_transpose(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+        x, layout = unwrap(input)
+        require_replicated(op, weight=weight, bias=bias)
+        kernel = tuple(weight.shape[2:])
+        stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
+        padding, output_padding = ntuple(padding, nd, "padding"), ntuple(output_padding, nd, "output_padding")
+        shards = spatial_shards(op, x, layout, nd)
+        out_sizes = {}
+        for i, s in shards.items():
+            if output_padding[i] >= max(stride[i], dilation[i]):
+                raise ValueError(f"{op}: output_padding {output_padding[i]} must be smaller than stride or dilation")
+            reach = dilation[i] * (kernel[i] - 1)
+            out_sizes[i] = (s.size - 1) * stride[i] - 2 * padding[i] + reach + output_padding[i] + 1
+            check_output_size(op, s, out_sizes[i])
+
+        def window(i, a, b):
+            return transposed_window(a, b, kernel[i], stride[i], padding[i], dilation[i])
+
+        x = fetch_windows(x, shards, out_sizes, window)
+        local_pad = [0 if i in shards else padding[i] for i in range(nd)]
+        local_out_pad = [0 if i in shards else output_padding[i] for i in range(nd)]
+        out = _CONV_T[nd](x, weight, None, stride, local_pad, local_out_pad, groups, dilation)
+        for i, s in shards.items():  # cut this rank's output rows out of the window's result
+            lo, hi = partition(out_sizes[i], s.axis.size)[s.axis.index]
+            first = window(i, lo, hi)[0] * stride[i] - padding[i]
+            out = out.narrow(i - nd, lo - first, hi - lo)
+        if bias is not None:
+            out = out + bias.view(-1, *([1] * nd))
+        return wrap(out, output_layout(layout, shards, out_sizes))
+
+    conv_transpose.__name__ = op
+    return conv_transpose
+
+
+HANDLERS = {
+    **{_CONV[nd]: _convolution(nd) for nd in (1, 2, 3)},
+    **{_CONV_T[nd]: _transposed(nd) for nd in (1, 2, 3)},
+}
+
+__all__ = ["HANDLERS"]

@@ -1,0 +1,38 @@
+"""``F.pad`` on sharded dims, every mode: the padded output follows the partition rule again, so each
+rank fetches the window of its output rows; only border rows read padding (circular reads the far border,
+reflect and replicate their own edge). Negative pads (crops) are the same window arithmetic."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from ..layout import check_padding
+from ..tensor import unwrap, wrap
+from ._common import check_output_size, fetch_windows, output_layout, spatial_shards
+
+_MODES = {"constant": "zeros", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
+
+
+def pad(input, pad, mode="constant", value=None):
+    x, layout = unwrap(input)
+    if mode not in _MODES:
+        raise ValueError(f"pad: unsupported padding mode {mode!r}; expected one of {sorted(_MODES)}")
+    nd = len(pad) // 2  # pad lists (lo, hi) pairs starting from the last dim
+    shards = spatial_shards("pad", x, layout, nd)
+    lo = {nd - 1 - k: pad[2 * k] for k in range(nd)}
+    hi = {nd - 1 - k: pad[2 * k + 1] for k in range(nd)}
+    out_sizes = {}
+    for i, s in shards.items():
+        check_padding(s.size, lo[i], hi[i], mode, f"pad (dim {s.dim})")
+        out_sizes[i] = s.size + lo[i] + hi[i]
+        check_output_size("pad", s, out_sizes[i])
+    x = fetch_windows(x, shards, out_sizes, lambda i, a, b: (a - lo[i], b - lo[i]), _MODES[mode], value or 0.0)
+    local = [0 if (nd - 1 - k) in shards else p for k in range(nd) for p in (pad[2 * k], pad[2 * k + 1])]
+    if any(local):
+        x = F.pad(x, local, mode=mode, value=value)
+    return wrap(x, output_layout(layout, shards, out_sizes))
+
+
+HANDLERS = {F.pad: pad}
+
+__all__ = ["HANDLERS"]

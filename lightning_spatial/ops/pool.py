@@ -1,0 +1,261 @@
+"""Pooling over sharded spatial dims.
+
+Sliding pools (max, avg) are convolutions for the window arithmetic: fetch the window with -inf (max) or
+zero (avg) padding and pool locally. Average pooling divides an exact window sum by torch's divisor,
+computed per dim (so ceil_mode, count_include_pad and divisor_override match torch at the borders).
+Adaptive pools run torch's op on the unsharded dims, then pool each sharded dim separately (max and mean
+over a box are separable): output rows still sharded fetch their bins' window; an output smaller than
+the ranks (global pooling) is reduced from per-rank partials by all-reduce and ends replicated.
+Max-pool indices are global flat indices into the input plane, as on one device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..collectives import all_reduce
+from ..halo import fetch_window
+from ..layout import adaptive_bins, conv_window, partition, pool_out_size
+from ..tensor import DimShard, unwrap, wrap
+from ._common import check_output_size, fetch_windows, ntuple, output_layout, spatial_shards
+
+_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
+_ADAPTIVE_AVG = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
+
+
+def _check_pad(op: str, kernel, padding) -> None:
+    for k, p in zip(kernel, padding):
+        if p > k // 2:
+            raise ValueError(f"{op}: pad should be at most half of kernel size, but got pad={p} and kernel_size={k}")
+
+
+def _flat_index(plane: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    flat = plane[0]
+    for c, n in zip(plane[1:], sizes[1:]):
+        flat = flat * n + c
+    return flat
+
+
+def _globalize(indices: torch.Tensor, local_sizes, offsets, global_sizes) -> torch.Tensor:
+    """Flat indices into a local plane (window starting at ``offsets``) -> flat indices into the global plane."""
+    coords, rest = [], indices
+    for n in reversed(local_sizes):
+        coords.append(rest % n)
+        rest = rest // n
+    coords = [c + o for c, o in zip(reversed(coords), offsets)]
+    return _flat_index(coords, list(global_sizes))
+
+
+def _max_pool(nd: int):
+    op = f"max_pool{nd}d"
+
+    def max_pool(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+        x, layout = unwrap(input)
+        kernel = ntuple(kernel_size, nd, "kernel_size")
+        stride = ntuple(stride if stride not in (None, [], ()) else kernel_size, nd, "stride")
+        padding, dilation = ntuple(padding, nd, "padding"), ntuple(dilation, nd, "dilation")
+        shards = spatial_shards(op, x, layout, nd)
+        _check_pad(op, [kernel[i] for i in shards], [padding[i] for i in shards])
+        out_sizes = {i: pool_out_size(s.size, kernel[i], stride[i], padding[i], dilation[i], ceil_mode) for i, s in shards.items()}
+        for i, s in shards.items():
+            check_output_size(op, s, out_sizes[i])
+
+        def window(i, a, b):
+            return conv_window(a, b, kernel[i], stride[i], padding[i], dilation[i])
+
+        xw = fetch_windows(x, shards, out_sizes, window, fill=-math.inf)
+        local_pad = [0 if i in shards else padding[i] for i in range(nd)]
+        out, indices = _MAX[nd](xw, kernel, stride, local_pad, dilation, ceil_mode, return_indices=True)
+        out_layout = output_layout(layout, shards, out_sizes)
+        if not return_indices:
+            return wrap(out, out_layout)
+        offsets = [0] * nd
+        for i, s in shards.items():
+            offsets[i] = window(i, *partition(out_sizes[i], s.axis.size)[s.axis.index])[0]
+        global_sizes = layout.global_shape(x)[-nd:]
+        indices = _globalize(indices, xw.shape[-nd:], offsets, global_sizes)
+        return wrap(out, out_layout), wrap(indices, out_layout)
+
+    max_pool.__name__ = op
+    return max_pool
+
+
+def _divisor(n: int, lo: int, hi: int, kernel: int, stride: int, padding: int, include_pad: bool, like) -> torch.Tensor:
+    """torch's average-pool divisor for output rows ``[lo, hi)`` of one dim."""
+    counts = []
+    for o in range(lo, hi):
+        start = o * stride - padding
+        end = min(start + kernel, n + padding)
+        counts.append(end - start if include_pad else min(end, n) - max(start, 0))
+    return torch.tensor(counts, dtype=like.dtype, device=like.device)
+
+
+def _avg_pool(nd: int):
+    op = f"avg_pool{nd}d"
+
+    def avg_pool(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+        x, layout = unwrap(input)
+        kernel = ntuple(kernel_size, nd, "kernel_size")
+        stride = ntuple(stride if stride not in (None, [], ()) else kernel_size, nd, "stride")
+        padding = ntuple(padding, nd, "padding")
+        shards = spatial_shards(op, x, layout, nd)
+        _check_pad(op, kernel, padding)
+        global_sizes = layout.global_shape(x)[-nd:]
+        out_sizes = {i: pool_out_size(s.size, kernel[i], stride[i], padding[i], 1, ceil_mode) for i, s in shards.items()}
+        for i, s in shards.items():
+            check_output_size(op, s, out_sizes[i])
+        xw = fetch_windows(x, shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], padding[i]))
+        local_pad = [0 if i in shards else padding[i] for i in range(nd)]
+        if nd == 1:  # avg_pool1d has no divisor_override: pool a (1, L) plane instead
+            total = F.avg_pool2d(xw.unsqueeze(-2), (1, *kernel), (1, *stride), (0, *local_pad), ceil_mode, True, 1).squeeze(-2)
+        else:
+            pool = F.avg_pool2d if nd == 2 else F.avg_pool3d
+            total = pool(xw, kernel, stride, local_pad, ceil_mode, True, 1)
+        if divisor_override:
+            out = total / divisor_override
+        else:
+            divisor = None
+            for i in range(nd):
+                lo, hi = (partition(out_sizes[i], shards[i].axis.size)[shards[i].axis.index] if i in shards
+                          else (0, total.shape[i - nd]))
+                d = _divisor(global_sizes[i], lo, hi, kernel[i], stride[i], padding[i], count_include_pad, total)
+                d = d.view(-1, *([1] * (nd - 1 - i)))
+                divisor = d if divisor is None else divisor * d
+            out = total / divisor
+        return wrap(out, output_layout(layout, shards, out_sizes))
+
+    avg_pool.__name__ = op
+    return avg_pool
+
+
+def _output_sizes(output_size, global_sizes, nd: int) -> list[int]:
+    sizes = [output_size] * nd if isinstance(output_size, int) or output_size is None else list(output_size)
+    if len(sizes) == 1:
+        sizes = sizes * nd
+    return [n if m is None else int(m) for m, n in zip(sizes, global_sizes)]
+
+
+def _bin_rows(s: DimShard, m: int) -> tuple[list[tuple[int, int]], int, bool]:
+    """(this rank's bins clipped to the rows it will hold, first held row, partial?) for one dim.
+
+    With at least one output row per rank the output stays sharded: fetch the bins' window. Otherwise
+    each rank reduces its own rows into every bin and the partials are all-reduced."""
+    bins = adaptive_bins(s.size, m)
+    if m >= s.axis.size:
+        return list(bins), 0, False
+    return [(max(a, s.start), min(b, s.stop)) for a, b in bins], s.start, True
+
+
+def _bin_window(s: DimShard, m: int) -> list[tuple[int, int]]:
+    bins = adaptive_bins(s.size, m)
+    return [(bins[lo][0], bins[hi - 1][1]) for lo, hi in partition(m, s.axis.size)]
+
+
+def _adaptive_avg_dim(y: torch.Tensor, s: DimShard, m: int) -> torch.Tensor:
+    bins, first, partial = _bin_rows(s, m)
+    if not partial:
+        windows = _bin_window(s, m)
+        y = fetch_window(y, s, windows)
+        lo, hi = partition(m, s.axis.size)[s.axis.index]
+        bins, first = bins[lo:hi], windows[s.axis.index][0]
+    weights = torch.zeros(len(bins), y.shape[s.dim], dtype=y.dtype, device=y.device)
+    full = adaptive_bins(s.size, m)
+    for r, ((a, b), (fa, fb)) in enumerate(zip(bins, full if partial else bins)):
+        if b > a:
+            weights[r, a - first:b - first] = 1.0 / (fb - fa)
+    out = (y.movedim(s.dim, -1) @ weights.T).movedim(-1, s.dim)
+    return all_reduce(out, s.axis.group) if partial else out
+
+
+def _adaptive_max_dim(y: torch.Tensor, flat: torch.Tensor | None, s: DimShard, m: int):
+    bins, first, partial = _bin_rows(s, m)
+    if not partial:
+        windows = _bin_window(s, m)
+        y = fetch_window(y, s, windows)
+        flat = fetch_window(flat, s, windows) if flat is not None else None
+        lo, hi = partition(m, s.axis.size)[s.axis.index]
+        bins, first = bins[lo:hi], windows[s.axis.index][0]
+    values, where = [], []
+    for a, b in bins:
+        if b > a:
+            v, arg = y.narrow(s.dim, a - first, b - a).max(dim=s.dim, keepdim=True)
+            values.append(v)
+            if flat is not None:
+                where.append(flat.narrow(s.dim, a - first, b - a).gather(s.dim, arg))
+        else:  # partial: this bin has no rows here
+            shape = list(y.shape)
+            shape[s.dim] = 1
+            values.append(y.new_full(shape, -math.inf))
+            if flat is not None:
+                where.append(flat.new_zeros(shape))
+    y, flat = torch.cat(values, s.dim), (torch.cat(where, s.dim) if flat is not None else None)
+    if partial:
+        reduced = all_reduce(y, s.axis.group, dist.ReduceOp.MAX)
+        if flat is not None:  # the first maximal element in the plane's order, as torch picks
+            flat = torch.where(y == reduced.detach(), flat, torch.iinfo(flat.dtype).max)
+            dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=s.axis.group)
+        y = reduced
+    return y, flat
+
+
+def _adaptive(nd: int, kind: str):
+    op = f"adaptive_{kind}_pool{nd}d"
+
+    def adaptive(input, output_size, return_indices=False):
+        x, layout = unwrap(input)
+        shards = spatial_shards(op, x, layout, nd)
+        global_sizes = layout.global_shape(x)[-nd:]
+        sizes = _output_sizes(output_size, global_sizes, nd)
+        local_target = [x.shape[i - nd] if i in shards else sizes[i] for i in range(nd)]
+        if kind == "avg":
+            y, flat = _ADAPTIVE_AVG[nd](x, local_target), None
+        else:
+            y, flat = _ADAPTIVE_MAX[nd](x, local_target, return_indices=True)
+            offsets = [shards[i].start if i in shards else 0 for i in range(nd)]
+            flat = _globalize(flat, x.shape[-nd:], offsets, global_sizes) if return_indices else None
+        for i, s in shards.items():
+            if kind == "avg":
+                y = _adaptive_avg_dim(y, s, sizes[i])
+            else:
+                y, flat = _adaptive_max_dim(y, flat, s, sizes[i])
+        out_layout = layout.with_sizes({s.dim: sizes[i] if sizes[i] >= s.axis.size else None for i, s in shards.items()})
+        if return_indices:
+            return wrap(y, out_layout), wrap(flat, out_layout)
+        return wrap(y, out_layout)
+
+    adaptive.__name__ = op
+    return adaptive
+
+
+def _always_indices(handler, positional: int):
+    """torch's ``*_with_indices`` entry points: same handler, indices returned."""
+
+    def with_indices(*args, **kwargs):
+        kwargs.pop("return_indices", None)
+        return handler(*args[:positional], **kwargs, return_indices=True)
+
+    return with_indices
+
+
+def _registrations() -> dict:
+    handlers = {}
+    for nd in (1, 2, 3):
+        max_pool, adaptive_max = _max_pool(nd), _adaptive(nd, "max")
+        handlers[getattr(F, f"_max_pool{nd}d")] = max_pool
+        handlers[getattr(torch, f"max_pool{nd}d")] = max_pool
+        handlers[getattr(F, f"max_pool{nd}d_with_indices")] = _always_indices(max_pool, 6)
+        handlers[getattr(F, f"avg_pool{nd}d")] = _avg_pool(nd)
+        handlers[_ADAPTIVE_AVG[nd]] = _adaptive(nd, "avg")
+        handlers[getattr(F, f"_adaptive_max_pool{nd}d")] = adaptive_max
+        handlers[getattr(F, f"adaptive_max_pool{nd}d_with_indices")] = _always_indices(adaptive_max, 2)
+    return handlers
+
+
+HANDLERS = _registrations()
+
+__all__ = ["HANDLERS"]

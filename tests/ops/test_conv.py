@@ -1,0 +1,138 @@
+"""Convolutions on 2 ranks, 3 uneven ranks, height shards and 2x2 tiles against the single-process op."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_spatial import Axis
+from tests.oracle import check
+from tests.spmd import LAYOUTS, axes, run_spmd
+
+LAYOUT_NAMES = list(LAYOUTS)
+
+# (kernel, stride, padding, dilation, groups)
+CONV2D = [
+    (3, 1, 1, 1, 1),
+    (3, 2, 1, 1, 1),
+    (3, 2, 0, 1, 1),
+    (7, 1, 3, 1, 4),  # ConvNeXt depthwise
+    (7, 2, 3, 1, 1),  # ResNet stem
+    (4, 4, 0, 1, 1),  # ConvNeXt patchify stem
+    (2, 2, 0, 1, 2),
+    (1, 1, 0, 1, 1),
+    (1, 2, 0, 1, 1),
+    (5, 2, 2, 1, 1),
+    (3, 1, 2, 2, 1),
+    (3, 3, 1, 1, 1),
+    ((3, 5), (1, 2), (1, 2), (1, 1), 1),
+    ((5, 3), (2, 1), (0, 1), (2, 1), 2),
+    (4, 1, "same", 1, 1),  # asymmetric 'same'
+    (3, 1, "same", 2, 4),
+    (3, 1, "valid", 1, 1),
+    (5, 3, 4, 1, 1),  # padding larger than the stride-2/3 halo
+]
+
+
+def _conv2d_case(layout, kernel, stride, padding, dilation, groups, width):
+    torch.manual_seed(7)
+    c = 4
+    k = kernel if isinstance(kernel, tuple) else (kernel, kernel)
+    x = torch.randn(2, c, 13, width)
+    w = torch.randn(8, c // groups, *k)
+    b = torch.randn(8)
+    op = functools.partial(_conv2d, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    check(op, [x, w, b], sharded=[0], axes=axes(layout))
+
+
+def _conv2d(x, w, b, **kw):
+    return F.conv2d(x, w, b, **kw)
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("kernel,stride,padding,dilation,groups", CONV2D)
+def test_conv2d(layout, kernel, stride, padding, dilation, groups):
+    width = 97 if layout == "w3" else 24
+    run_spmd(_conv2d_case, LAYOUTS[layout][0], layout, kernel, stride, padding, dilation, groups, width)
+
+
+def _thin_case(layout):
+    # width 7 over 3 ranks: shards of 3, 2, 2 rows, halo of 3: data comes from two ranks away
+    torch.manual_seed(3)
+    x, w = torch.randn(1, 2, 5, 7), torch.randn(3, 2, 7, 7)
+    check(lambda x, w: F.conv2d(x, w, padding=3), [x, w], sharded=[0], axes=axes(layout))
+
+
+def test_conv2d_halo_wider_than_a_shard():
+    run_spmd(_thin_case, 3, "w3")
+
+
+def _module_case(layout, mode, kernel, stride):
+    # the unchanged nn.Conv2d module: non-zero padding modes reach us as F.pad, then conv2d(padding=0)
+    torch.manual_seed(11)
+    conv = torch.nn.Conv2d(3, 5, kernel, stride=stride, padding=kernel // 2, padding_mode=mode)
+    x = torch.randn(2, 3, 9, 31 if layout == "w3" else 16)
+    check(lambda x, w, b: torch.func.functional_call(conv, {"weight": w, "bias": b}, (x,)),
+          [x, conv.weight, conv.bias], sharded=[0], axes=axes(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("mode", ["zeros", "reflect", "replicate", "circular"])
+@pytest.mark.parametrize("kernel,stride", [(3, 1), (5, 2)])
+def test_nn_conv2d_padding_modes(layout, mode, kernel, stride):
+    run_spmd(_module_case, LAYOUTS[layout][0], layout, mode, kernel, stride)
+
+
+def _conv1d_case(kernel, stride, padding, dilation, groups):
+    torch.manual_seed(1)
+    x, w, b = torch.randn(2, 4, 29), torch.randn(4, 4 // groups, kernel), torch.randn(4)
+    check(lambda x, w, b: F.conv1d(x, w, b, stride, padding, dilation, groups), [x, w, b], sharded=[0],
+          axes={-1: Axis.from_group()})
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("kernel,stride,padding,dilation,groups", [(3, 1, 1, 1, 1), (5, 2, 2, 1, 4), (3, 2, 2, 2, 2), (3, 1, "same", 3, 1)])
+def test_conv1d(ranks, kernel, stride, padding, dilation, groups):
+    run_spmd(_conv1d_case, ranks, kernel, stride, padding, dilation, groups)
+
+
+def _conv3d_case(layout, kernel, stride, padding):
+    torch.manual_seed(2)
+    x, w, b = torch.randn(1, 2, 5, 9, 17 if layout == "w3" else 10), torch.randn(3, 2, *kernel), torch.randn(3)
+    check(lambda x, w, b: F.conv3d(x, w, b, stride, padding), [x, w, b], sharded=[0], axes=axes(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("kernel,stride,padding", [((3, 3, 3), 1, 1), ((1, 3, 5), (1, 2, 2), (0, 1, 2))])
+def test_conv3d(layout, kernel, stride, padding):
+    run_spmd(_conv3d_case, LAYOUTS[layout][0], layout, kernel, stride, padding)
+
+
+# (kernel, stride, padding, output_padding, dilation, groups)
+CONV_T = [
+    (2, 2, 0, 0, 1, 1),
+    (3, 2, 1, 1, 1, 1),
+    (4, 2, 1, 0, 1, 1),
+    (3, 1, 1, 0, 1, 1),
+    (1, 2, 0, 1, 1, 1),
+    (3, 3, 0, 2, 1, 2),
+    (3, 2, 2, 1, 2, 1),
+    (5, 3, 1, 0, 1, 2),
+]
+
+
+def _conv_t_case(layout, kernel, stride, padding, output_padding, dilation, groups):
+    torch.manual_seed(9)
+    x = torch.randn(2, 4, 7, 19 if layout == "w3" else 8)
+    w, b = torch.randn(4, 6 // groups, kernel, kernel), torch.randn(6)
+    check(lambda x, w, b: F.conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation),
+          [x, w, b], sharded=[0], axes=axes(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("kernel,stride,padding,output_padding,dilation,groups", CONV_T)
+def test_conv_transpose2d(layout, kernel, stride, padding, output_padding, dilation, groups):
+    run_spmd(_conv_t_case, LAYOUTS[layout][0], layout, kernel, stride, padding, output_padding, dilation, groups)

@@ -1,0 +1,79 @@
+"""One numerical oracle for every spatial op: sharded vs single-process, outputs and all gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_spatial import SpatialTensor, gather, shard
+from lightning_spatial.tensor import wrap
+
+RTOL = 1e-5
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """fp32 relative tolerance: max |actual - expected| <= 1e-5 * max |expected| (exact for integers)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if not expected.is_floating_point():
+        assert torch.equal(actual, expected), f"{what}: integer results differ"
+        return
+    scale = expected.abs().max().clamp_min(torch.finfo(expected.dtype).tiny)
+    err = (actual - expected).abs().max()
+    assert err <= RTOL * scale, f"{what}: max abs error {err:.3e} > {RTOL} * {scale:.3e}"
+
+
+def check(op: Callable, inputs: Sequence[torch.Tensor], sharded: Sequence[int], axes: dict, seed: int = 0) -> None:
+    """Compare ``op`` on shards of ``inputs[i]`` (i in ``sharded``) with ``op`` on the full tensors.
+
+    Every rank builds the same full inputs and upstream gradients (same seed). Sharded inputs' gradients
+    are compared slice by slice; replicated inputs' gradients (weights) are summed over the group, the
+    split-gradient convention the strategy relies on.
+    """
+    ref_inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    ref_out = op(*ref_inputs)
+    ref_outs = ref_out if isinstance(ref_out, tuple) else (ref_out,)
+
+    ours, leaves = [], []
+    for i, t in enumerate(inputs):
+        if i in sharded:
+            s = shard(t.detach(), axes)
+            local = s.to_local().clone().requires_grad_(t.is_floating_point())
+            leaves.append((i, local, s.shard_layout))
+            ours.append(wrap(local, s.shard_layout))
+        else:
+            local = t.detach().clone().requires_grad_(t.is_floating_point())
+            leaves.append((i, local, None))
+            ours.append(local)
+    out = op(*ours)
+    outs = out if isinstance(out, tuple) else (out,)
+    assert len(outs) == len(ref_outs)
+
+    torch.manual_seed(seed + 1)
+    world = dist.get_world_size()
+    loss, ref_loss = 0.0, 0.0
+    for k, (o, r) in enumerate(zip(outs, ref_outs)):
+        assert_rel_close(gather(o).detach(), r.detach(), f"output {k}")
+        if not r.is_floating_point():
+            continue
+        g = torch.randn_like(r)
+        ref_loss = ref_loss + (r * g).sum()
+        if isinstance(o, SpatialTensor):
+            layout = o.shard_layout
+            copies = world // torch.Size([s.axis.size for s in layout.shards]).numel()
+            loss = loss + (o.to_local() * g[layout.local_slices(g.dim())]).sum() / copies
+        else:
+            loss = loss + (o * g).sum() / world
+    ref_loss.backward()
+    loss.backward()
+    for i, local, layout in leaves:
+        expected = ref_inputs[i].grad
+        if expected is None:
+            continue
+        if layout is not None:
+            assert_rel_close(local.grad, expected[layout.local_slices(expected.dim())], f"grad of input {i}")
+        else:
+            total = local.grad.clone()
+            dist.all_reduce(total)
+            assert_rel_close(total, expected, f"grad of input {i} (summed over ranks)")
