@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_spatial import SpatialTensor, gather, shard
-from lightning_spatial.tensor import wrap
+from lightning_spatial.tensor import _warned, wrap
 
 RTOL = 1e-5
 
@@ -24,12 +25,16 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
     assert err <= RTOL * scale, f"{what}: max abs error {err:.3e} > {RTOL} * {scale:.3e}"
 
 
-def check(op: Callable, inputs: Sequence[torch.Tensor], sharded: Sequence[int], axes: dict, seed: int = 0) -> None:
+def check(
+    op: Callable, inputs: Sequence[torch.Tensor], sharded: Sequence[int], axes: dict, seed: int = 0,
+    allow_fallback: bool = False,
+) -> None:
     """Compare ``op`` on shards of ``inputs[i]`` (i in ``sharded``) with ``op`` on the full tensors.
 
     Every rank builds the same full inputs and upstream gradients (same seed). Sharded inputs' gradients
     are compared slice by slice; replicated inputs' gradients (weights) are summed over the group, the
-    split-gradient convention the strategy relies on.
+    split-gradient convention the strategy relies on. Unless ``allow_fallback``, the op must run through
+    spatial handlers: an exact gather-and-run fallback would hide a missing or misregistered handler.
     """
     ref_inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     ref_out = op(*ref_inputs)
@@ -46,7 +51,14 @@ def check(op: Callable, inputs: Sequence[torch.Tensor], sharded: Sequence[int], 
             local = t.detach().clone().requires_grad_(t.is_floating_point())
             leaves.append((i, local, None))
             ours.append(local)
-    out = op(*ours)
+    _warned.clear()  # each fallback warns once per process: make this call's fallbacks visible
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = op(*ours)
+    fallbacks = [str(w.message) for w in caught if "no spatial handler" in str(w.message)]
+    assert allow_fallback or not fallbacks, f"op fell back instead of running spatially: {fallbacks}"
+    for w in caught:  # pass them on to the caller
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     outs = out if isinstance(out, tuple) else (out,)
     assert len(outs) == len(ref_outs)
 

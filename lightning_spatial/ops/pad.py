@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..layout import check_padding
 from ..tensor import unwrap, wrap
-from ._common import check_output_size, fetch_windows, output_layout, spatial_shards
+from ._common import check_output_size, fetch_windows, output_layout
 
 _MODES = {"constant": "zeros", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
 
@@ -18,7 +18,7 @@ def pad(input, pad, mode="constant", value=None):
     if mode not in _MODES:
         raise ValueError(f"pad: unsupported padding mode {mode!r}; expected one of {sorted(_MODES)}")
     nd = len(pad) // 2  # pad lists (lo, hi) pairs starting from the last dim
-    shards = spatial_shards("pad", x, layout, nd)
+    shards = {s.dim + nd: s for s in layout.shards if s.dim + nd >= 0}  # sharded dims beyond the pad list stay
     lo = {nd - 1 - k: pad[2 * k] for k in range(nd)}
     hi = {nd - 1 - k: pad[2 * k + 1] for k in range(nd)}
     out_sizes = {}

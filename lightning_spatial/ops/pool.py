@@ -246,11 +246,14 @@ def _registrations() -> dict:
     handlers = {}
     for nd in (1, 2, 3):
         max_pool, adaptive_max = _max_pool(nd), _adaptive(nd, "max")
+        # F.max_pool2d is a boolean dispatcher that is itself a torch function, as are both its targets
+        handlers[getattr(F, f"max_pool{nd}d")] = max_pool
         handlers[getattr(F, f"_max_pool{nd}d")] = max_pool
         handlers[getattr(torch, f"max_pool{nd}d")] = max_pool
         handlers[getattr(F, f"max_pool{nd}d_with_indices")] = _always_indices(max_pool, 6)
         handlers[getattr(F, f"avg_pool{nd}d")] = _avg_pool(nd)
         handlers[_ADAPTIVE_AVG[nd]] = _adaptive(nd, "avg")
+        handlers[getattr(F, f"adaptive_max_pool{nd}d")] = adaptive_max
         handlers[getattr(F, f"_adaptive_max_pool{nd}d")] = adaptive_max
         handlers[getattr(F, f"adaptive_max_pool{nd}d_with_indices")] = _always_indices(adaptive_max, 2)
     return handlers

@@ -1,0 +1,76 @@
+"""The partition rule and window arithmetic, checked against torch on one process (no communication)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_spatial.layout import (
+    adaptive_bins,
+    conv_out_size,
+    conv_window,
+    partition,
+    pool_out_size,
+    source_index,
+    transposed_window,
+)
+
+
+@pytest.mark.parametrize("n,parts", [(8, 2), (97, 3), (5, 5), (13, 4), (1, 1)])
+def test_partition_is_tensor_split(n, parts):
+    expected = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(n).tensor_split(parts)]
+    assert list(partition(n, parts)) == expected
+
+
+CONV_CASES = [c for c in itertools.product([9, 16], [1, 3, 4, 7], [1, 2, 3], [0, 1, 3], [1, 2]) if conv_out_size(c[0], c[1], c[2], c[3], c[3], c[4]) >= 1]
+POOL_CASES = [c for c in itertools.product([7, 10], [2, 3], [1, 2, 3], [0, 1], [1, 2], [False, True]) if c[3] <= c[1] // 2]
+
+
+@pytest.mark.parametrize("n,k,s,p,d", CONV_CASES)
+def test_conv_window_reproduces_every_output_row(n, k, s, p, d):
+    """Convolving only the window (zero-padded where it leaves [0, n)) gives exactly the rows asked for."""
+    x, w = torch.randn(1, 1, n, dtype=torch.float64), torch.randn(1, 1, k, dtype=torch.float64)
+    full = F.conv1d(x, w, stride=s, padding=p, dilation=d)
+    assert full.shape[-1] == conv_out_size(n, k, s, p, p, d)
+    padded = F.pad(x, (p, p + s * k * d))
+    for lo, hi in partition(full.shape[-1], min(3, full.shape[-1])):
+        a, b = conv_window(lo, hi, k, s, p, d)
+        part = F.conv1d(padded[..., a + p:b + p], w, stride=s, dilation=d)
+        torch.testing.assert_close(part, full[..., lo:hi], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,k,s,p,d,op", [(7, 3, 2, 1, 1, 1), (5, 1, 2, 0, 1, 1), (6, 2, 3, 0, 1, 2), (8, 4, 2, 1, 1, 0), (5, 3, 2, 2, 2, 1)])
+def test_transposed_window_covers_its_rows(n, k, s, p, d, op):
+    x, w = torch.randn(1, 1, n, dtype=torch.float64), torch.randn(1, 1, k, dtype=torch.float64)
+    full = F.conv_transpose1d(x, w, stride=s, padding=p, output_padding=op, dilation=d)
+    padded = F.pad(x, (3 * n, 3 * n))
+    for lo, hi in partition(full.shape[-1], 3):
+        a, b = transposed_window(lo, hi, k, s, p, d)
+        part = F.conv_transpose1d(padded[..., a + 3 * n:b + 3 * n], w, stride=s, dilation=d)
+        first = a * s - p
+        torch.testing.assert_close(part[..., lo - first:hi - first], full[..., lo:hi], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n,k,s,p,d,ceil", POOL_CASES)
+def test_pool_out_size_matches_torch(n, k, s, p, d, ceil):
+    out = F.max_pool1d(torch.randn(1, 1, n), k, s, p, d, ceil_mode=ceil)
+    assert out.shape[-1] == pool_out_size(n, k, s, p, d, ceil)
+
+
+@pytest.mark.parametrize("n,m", [(10, 3), (7, 7), (5, 9), (97, 1)])
+def test_adaptive_bins_match_torch(n, m):
+    x = torch.randn(1, 1, n, dtype=torch.float64)
+    expected = F.adaptive_avg_pool1d(x, m)
+    got = torch.stack([x[..., a:b].mean(-1) for a, b in adaptive_bins(n, m)], -1)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular", "constant"])
+def test_source_index_matches_torch_pad(mode):
+    n, pad = 6, 4
+    x = torch.arange(n, dtype=torch.float64).view(1, 1, n)
+    padded = F.pad(x, (pad, pad), mode=mode, **({"value": -1.0} if mode == "constant" else {})).flatten().tolist()
+    assert [float(source_index(pos, n, mode)) for pos in range(-pad, n + pad)] == padded

@@ -1,0 +1,107 @@
+"""The sharded activation: shard/gather round trips, halo windows, element-wise ops and the exact fallback."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_spatial import Axis, SpatialTensor, fetch_window, gather, shard
+from lightning_spatial.layout import partition, source_index
+from tests.oracle import assert_rel_close, check
+from tests.spmd import LAYOUTS, axes, run_spmd
+
+LAYOUT_NAMES = list(LAYOUTS)
+
+
+def _round_trip(layout):
+    torch.manual_seed(0)
+    full = torch.randn(2, 3, 7, 97)
+    x = shard(full, axes(layout))
+    assert isinstance(x, SpatialTensor)
+    assert x.shard_layout.global_shape(x) == full.shape
+    for s in x.shard_layout.shards:
+        assert x.shape[s.dim] == s.stop - s.start
+    assert torch.equal(gather(x), full)
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_shard_gather_round_trip(layout):
+    run_spmd(_round_trip, LAYOUTS[layout][0], layout)
+
+
+def _window_case(n, windows, mode):
+    """Every rank asks for an arbitrary window; compare with indexing the full tensor, and the adjoint."""
+    torch.manual_seed(1)
+    axis = Axis.from_group()
+    full = torch.randn(2, n, dtype=torch.float64)
+    upstream = torch.randn(len(windows), 2, max(b - a for a, b in windows), dtype=torch.float64)
+    x = shard(full, {-1: axis})
+    local = x.to_local().clone().requires_grad_()
+    out = fetch_window(local, x.shard_layout.shards[0], windows, mode)
+    a, b = windows[axis.index]
+    rows = [source_index(p, n, mode) for p in range(a, b)]
+    expected = torch.stack([full[:, i] if i >= 0 else torch.zeros(2, dtype=full.dtype) for i in rows], -1)
+    assert torch.equal(out.detach(), expected)
+    (out * upstream[axis.index, :, : b - a]).sum().backward()
+    grad_full = torch.zeros_like(full)  # every rank's upstream gradient, scattered to the rows it read
+    for r, (ra, rb) in enumerate(windows):
+        for j, p in enumerate(range(ra, rb)):
+            if source_index(p, n, mode) >= 0:
+                grad_full[:, source_index(p, n, mode)] += upstream[r, :, j]
+    lo, hi = partition(n, axis.size)[axis.index]
+    assert_rel_close(local.grad, grad_full[:, lo:hi], "window gradient")
+
+
+@pytest.mark.parametrize(
+    "n,windows,mode",
+    [
+        (10, [(-2, 7), (3, 12)], "zeros"),
+        (10, [(0, 10), (-3, 13)], "reflect"),  # each rank fetches everything, padded
+        (7, [(-3, 4), (-1, 6), (2, 10)], "circular"),  # shards of 3, 2, 2: data from two ranks away
+        (7, [(4, 7), (0, 2), (-2, 1)], "replicate"),  # windows far from the rank's own rows
+        (9, [(0, 3), (3, 6), (6, 9)], "zeros"),  # exactly the own rows: a view, no messages
+    ],
+)
+def test_fetch_window(n, windows, mode):
+    run_spmd(_window_case, len(windows), n, windows, mode)
+
+
+def _elementwise_case(layout):
+    torch.manual_seed(2)
+    x, y, gate, bias = torch.randn(2, 4, 6, 11), torch.randn(2, 4, 6, 11), torch.randn(2, 4, 1, 1), torch.randn(4, 1, 1)
+
+    def op(x, y, gate, bias):
+        z = torch.nn.functional.gelu(x) * torch.sigmoid(gate) + y.relu() - bias
+        z = z / 2 + x.clamp(-0.5, 0.5) ** 2
+        return torch.where(z > 0, z, -z).float().contiguous()
+
+    check(op, [x, y, gate, bias], sharded=[0, 1], axes=axes(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_elementwise_ops_keep_the_layout(layout):
+    run_spmd(_elementwise_case, LAYOUTS[layout][0], layout)
+
+
+def _fallback_case(layout):
+    torch.manual_seed(3)
+    full = torch.randn(2, 3, 6, 11)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check(lambda x: torch.flip(x, [-1, -2]).cumsum(-1), [full], [0], axes(layout), allow_fallback=True)
+        check(lambda x: x.sum(dim=(-1, -2)), [full], [0], axes(layout), allow_fallback=True)
+    names = " ".join(str(w.message) for w in caught)
+    assert "flip" in names and "cumsum" in names and "sum" in names
+    # in place: the write lands in the right shard
+    x = shard(full.clone(), axes(layout))
+    x[..., 0, 0] = 5.0
+    expected = full.clone()
+    expected[..., 0, 0] = 5.0
+    assert torch.equal(gather(x), expected)
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_unhandled_ops_fall_back_exactly_with_a_warning(layout):
+    run_spmd(_fallback_case, LAYOUTS[layout][0], layout)
