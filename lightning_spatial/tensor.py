@@ -1,15 +1,16 @@
 """The sharded activation: a ``torch.Tensor`` whose data is this rank's shard, plus its layout.
 
-``SpatialTensor`` *is* the local shard (``x.shape`` is the local shape, so element-wise ops, channel
-``Linear`` layers and views over unsharded dims run at native speed). Its ``shard_layout`` says which dims are
-sharded, over which process group, and their global sizes; ``shard_layout.global_shape(x)`` and
-``shard_layout.get(dim).bounds`` give the global view. Every torch function called on it goes through
-``__torch_function__``:
+``SpatialTensor`` stores only the local shard, but answers shape queries (``x.shape``, ``x.size()``,
+``x.numel()``) with the *global* shape, so unchanged model code that computes sizes from shapes (views,
+``F.interpolate(size=skip.shape[-2:])``, timm's ``pad_same``, position embeddings from ``torch.arange(W)``)
+means what it means on one device. ``x.to_local()`` is the shard; ``x.shard_layout`` says which dims are
+sharded, over which process group, with which global sizes. Every torch function called on it goes
+through ``__torch_function__``:
 
 1. a registered spatial handler (``ops/``) if there is one;
-2. element-wise ops run on the local shard and keep the layout (replicated operands must broadcast along
-   the sharded dims);
-3. metadata queries answer for the local shard;
+2. element-wise ops run on the local shard and keep the layout; a replicated operand broadcasts along a
+   sharded dim (size 1) or is sliced to this rank's rows (full global size);
+3. metadata queries answer for the global tensor (shape) or the shard (device, dtype, autograd);
 4. anything else falls back exactly: gather, run, reshard, with a one-time warning naming the op.
 
 Sharded dims are stored as negative dims so that broadcasting (which aligns from the right) keeps them.
@@ -141,6 +142,8 @@ class SpatialTensor(torch.Tensor):
         if func in _LOCAL:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _GLOBAL_SHAPE:
+            return _GLOBAL_SHAPE[func](args[0], *args[1:], **kwargs)
         if func in POINTWISE or func in _LAYOUT_PRESERVING:
             return _elementwise(func, args, kwargs)
         return fallback(func, args, kwargs)
@@ -193,10 +196,10 @@ def gather(x: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def common_layout(func: Callable, tensors: list[torch.Tensor]) -> Layout:
-    """The one layout of the sharded operands; replicated operands must broadcast along sharded dims."""
+def common_layout(func: Callable, operands) -> Layout:
+    """The one layout of the sharded operands (raises if two differ)."""
     layout = None
-    for t in tensors:
+    for t in operands:
         if isinstance(t, SpatialTensor):
             if layout is None:
                 layout = t._layout
@@ -206,21 +209,30 @@ def common_layout(func: Callable, tensors: list[torch.Tensor]) -> Layout:
                     f"[{t._layout.describe()}]; reshard one (gather + shard) so both match"
                 )
     assert layout is not None
-    for t in tensors:
-        if not isinstance(t, SpatialTensor):
-            for s in layout.shards:
-                if t.dim() >= -s.dim and t.shape[s.dim] != 1:
-                    raise LayoutError(
-                        f"{_name(func)}: a replicated tensor of shape {tuple(t.shape)} meets a tensor sharded "
-                        f"along dim {s.dim} (global size {s.size}); shard it the same way (lightning_spatial.shard) "
-                        f"or make that dim size 1 so it broadcasts"
-                    )
     return layout
 
 
+def localize(func: Callable, t: Any, layout: Layout) -> Any:
+    """A replicated operand as this rank sees it next to ``layout``: size 1 along a sharded dim
+    broadcasts; the full global size is sliced to this rank's rows; anything else is an error."""
+    if not isinstance(t, torch.Tensor) or isinstance(t, SpatialTensor):
+        return t
+    for s in layout.shards:
+        if t.dim() < -s.dim or t.shape[s.dim] == 1:
+            continue
+        if t.shape[s.dim] != s.size:
+            raise LayoutError(
+                f"{_name(func)}: a replicated tensor of shape {tuple(t.shape)} meets a tensor sharded along dim "
+                f"{s.dim} of global size {s.size}; it must have size 1 (broadcast) or {s.size} there"
+            )
+        t = t.narrow(s.dim, s.start, s.stop - s.start)
+    return t
+
+
 def _elementwise(func, args, kwargs):
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    layout = common_layout(func, tensors)
+    layout = common_layout(func, [*args, *kwargs.values()])
+    args = [localize(func, a, layout) for a in args]
+    kwargs = {k: localize(func, v, layout) for k, v in kwargs.items()}
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
     if args and out is args[0]:  # in-place: the operand already carries its layout
@@ -332,17 +344,38 @@ _LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
     )
 )
 
-# Answered by the local shard: metadata, autograd plumbing, serialisation.
+def _global_size(x: SpatialTensor, dim: int | None = None):
+    shape = x._layout.global_shape(x.to_local().shape)
+    return shape if dim is None else shape[dim]
+
+
+_DESCRIPTORS = [n for n in dir(torch.Tensor) if type(getattr(torch.Tensor, n)).__name__ == "getset_descriptor"]
+
+# Answered for the global tensor.
+_GLOBAL_SHAPE: dict[Callable, Callable] = {
+    torch.Tensor.shape.__get__: lambda x: _global_size(x),
+    torch.Tensor.size: _global_size,
+    torch.Tensor.numel: lambda x: _global_size(x).numel(),
+    torch.Tensor.nelement: lambda x: _global_size(x).numel(),
+    torch.numel: lambda x: _global_size(x).numel(),
+    torch.Tensor.__len__: lambda x: _global_size(x, 0),
+}
+
+# Answered by the local shard: metadata, autograd plumbing, serialisation, new replicated tensors.
 _LOCAL: frozenset[Callable] = frozenset(
-    {getattr(torch.Tensor, n).__get__ for n in dir(torch.Tensor) if type(getattr(torch.Tensor, n)).__name__ == "getset_descriptor"}
-    | {getattr(torch.Tensor, n).__set__ for n in dir(torch.Tensor) if type(getattr(torch.Tensor, n)).__name__ == "getset_descriptor"}
-    | _functions(
-        ["size", "dim", "ndimension", "stride", "is_contiguous", "data_ptr", "element_size", "storage_offset",
-         "untyped_storage", "get_device", "is_floating_point", "is_complex", "__len__", "backward",
-         "register_hook", "retain_grad", "__reduce_ex__", "__setstate__", "_is_view", "is_pinned", "numel", "nelement"],
-        (torch.Tensor,),
+    (
+        {getattr(torch.Tensor, n).__get__ for n in _DESCRIPTORS}
+        | {getattr(torch.Tensor, n).__set__ for n in _DESCRIPTORS}
+        | _functions(
+            ["dim", "ndimension", "stride", "is_contiguous", "data_ptr", "element_size", "storage_offset",
+             "untyped_storage", "get_device", "is_floating_point", "is_complex", "backward", "register_hook",
+             "retain_grad", "__reduce_ex__", "__setstate__", "_is_view", "is_pinned", "new_empty", "new_zeros",
+             "new_ones", "new_full", "new_tensor"],
+            (torch.Tensor,),
+        )
     )
+    - set(_GLOBAL_SHAPE)
 )
 
 
-__all__ = ["Axis", "DimShard", "Layout", "LayoutError", "SpatialTensor", "gather", "shard", "unwrap", "wrap"]
+__all__ = ["Axis", "DimShard", "Layout", "LayoutError", "SpatialTensor", "gather", "localize", "shard", "unwrap", "wrap"]

@@ -20,9 +20,9 @@ def _round_trip(layout):
     full = torch.randn(2, 3, 7, 97)
     x = shard(full, axes(layout))
     assert isinstance(x, SpatialTensor)
-    assert x.shard_layout.global_shape(x) == full.shape
+    assert x.shape == full.shape and x.size(-1) == 97 and x.numel() == full.numel() and len(x) == 2
     for s in x.shard_layout.shards:
-        assert x.shape[s.dim] == s.stop - s.start
+        assert x.to_local().shape[s.dim] == s.stop - s.start
     assert torch.equal(gather(x), full)
 
 
@@ -71,13 +71,14 @@ def test_fetch_window(n, windows, mode):
 def _elementwise_case(layout):
     torch.manual_seed(2)
     x, y, gate, bias = torch.randn(2, 4, 6, 11), torch.randn(2, 4, 6, 11), torch.randn(2, 4, 1, 1), torch.randn(4, 1, 1)
+    pos = torch.randn(4, 6, 11)  # a replicated full-size operand (e.g. a position embedding): sliced per rank
 
-    def op(x, y, gate, bias):
-        z = torch.nn.functional.gelu(x) * torch.sigmoid(gate) + y.relu() - bias
-        z = z / 2 + x.clamp(-0.5, 0.5) ** 2
+    def op(x, y, gate, bias, pos):
+        z = torch.nn.functional.gelu(x) * torch.sigmoid(gate) + y.relu() - bias + pos
+        z = z / 2 + x.clamp(-0.5, 0.5) ** 2 + torch.arange(z.shape[-1]) * 0.1  # global column index
         return torch.where(z > 0, z, -z).float().contiguous()
 
-    check(op, [x, y, gate, bias], sharded=[0, 1], axes=axes(layout))
+    check(op, [x, y, gate, bias, pos], sharded=[0, 1], axes=axes(layout))
 
 
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
