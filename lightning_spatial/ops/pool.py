@@ -203,7 +203,7 @@ def _adaptive_max_dim(y: torch.Tensor, flat: torch.Tensor | None, s: DimShard, m
     return y, flat
 
 
-def _adaptive(nd: int, kind: str):
+def adaptive_pool(nd: int, kind: str):
     op = f"adaptive_{kind}_pool{nd}d"
 
     def adaptive(input, output_size, return_indices=False):
@@ -245,14 +245,14 @@ def _always_indices(handler, positional: int):
 def _registrations() -> dict:
     handlers = {}
     for nd in (1, 2, 3):
-        max_pool, adaptive_max = _max_pool(nd), _adaptive(nd, "max")
+        max_pool, adaptive_max = _max_pool(nd), adaptive_pool(nd, "max")
         # F.max_pool2d is a boolean dispatcher that is itself a torch function, as are both its targets
         handlers[getattr(F, f"max_pool{nd}d")] = max_pool
         handlers[getattr(F, f"_max_pool{nd}d")] = max_pool
         handlers[getattr(torch, f"max_pool{nd}d")] = max_pool
         handlers[getattr(F, f"max_pool{nd}d_with_indices")] = _always_indices(max_pool, 6)
         handlers[getattr(F, f"avg_pool{nd}d")] = _avg_pool(nd)
-        handlers[_ADAPTIVE_AVG[nd]] = _adaptive(nd, "avg")
+        handlers[_ADAPTIVE_AVG[nd]] = adaptive_pool(nd, "avg")
         handlers[getattr(F, f"adaptive_max_pool{nd}d")] = adaptive_max
         handlers[getattr(F, f"_adaptive_max_pool{nd}d")] = adaptive_max
         handlers[getattr(F, f"adaptive_max_pool{nd}d_with_indices")] = _always_indices(adaptive_max, 2)
@@ -261,4 +261,4 @@ def _registrations() -> dict:
 
 HANDLERS = _registrations()
 
-__all__ = ["HANDLERS"]
+__all__ = ["HANDLERS", "adaptive_pool"]

@@ -1,0 +1,122 @@
+"""Normalisation with statistics over the whole image: per-rank sums all-reduced over the spatial axes.
+
+Two passes (mean, then the sum of squared deviations) keep fp32 accuracy. BatchNorm's running statistics
+are updated from the global batch statistics exactly as one device would (unbiased variance with the
+global count); eval mode uses the running statistics locally. BatchNorm statistics span the spatial group
+only: the data-parallel group joins only when the user asked for SyncBatchNorm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..tensor import LayoutError, unwrap, wrap
+from .reduce import across
+
+
+def _stats(x: torch.Tensor, dims: tuple[int, ...], shards, count: int):
+    mean = across(x.sum(dims, keepdim=True), shards) / count
+    var = across(((x - mean) ** 2).sum(dims, keepdim=True), shards) / count
+    return mean, var
+
+
+def _channel_shape(x: torch.Tensor) -> list[int]:
+    return [1, -1] + [1] * (x.dim() - 2)
+
+
+def _check_spatial(op: str, x: torch.Tensor, layout) -> list:
+    for s in layout.shards:
+        if x.dim() + s.dim < 2:
+            raise LayoutError(f"{op}: dim {s.dim} of a {x.dim()}-d input is sharded; shard only spatial dims (2 and up)")
+    return list(layout.shards)
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    x, layout = unwrap(input)
+    shards = _check_spatial("batch_norm", x, layout)
+    if not training and running_mean is not None:
+        return wrap(F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
+    dims = tuple(d - x.dim() for d in range(x.dim()) if d != 1)
+    count = math.prod(layout.global_shape(x)[d] for d in dims)
+    if count <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(layout.global_shape(x))}")
+    mean, var = _stats(x, dims, shards, count)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        out = out * weight.view(_channel_shape(x))
+    if bias is not None:
+        out = out + bias.view(_channel_shape(x))
+    if training and running_mean is not None:
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.flatten(), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(var.flatten() * (count / (count - 1)), alpha=momentum)
+    return wrap(out, layout)
+
+
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    x, layout = unwrap(input)
+    shards = _check_spatial("group_norm", x, layout)
+    n, c = x.shape[:2]
+    grouped = x.reshape(n, num_groups, c // num_groups, *x.shape[2:])  # sharded dims keep their negative index
+    dims = tuple(range(-(grouped.dim() - 2), 0))
+    count = (c // num_groups) * math.prod(layout.global_shape(x)[2:])
+    mean, var = _stats(grouped, dims, shards, count)
+    out = ((grouped - mean) * torch.rsqrt(var + eps)).reshape(x.shape)
+    if weight is not None:
+        out = out * weight.view(_channel_shape(x))
+    if bias is not None:
+        out = out + bias.view(_channel_shape(x))
+    return wrap(out, layout)
+
+
+def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
+                  momentum=0.1, eps=1e-5):
+    x, layout = unwrap(input)
+    shards = _check_spatial("instance_norm", x, layout)
+    if not use_input_stats:
+        return wrap(F.instance_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
+    dims = tuple(range(-(x.dim() - 2), 0))
+    count = math.prod(layout.global_shape(x)[2:])
+    mean, var = _stats(x, dims, shards, count)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        out = out * weight.view(_channel_shape(x))
+    if bias is not None:
+        out = out + bias.view(_channel_shape(x))
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.flatten(2).mean((0, 2)), alpha=momentum)
+            unbiased = var.flatten(2).mean((0, 2)) * (count / max(count - 1, 1))
+            running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+    return wrap(out, layout)
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    x, layout = unwrap(input)
+    k = len(normalized_shape) if not isinstance(normalized_shape, int) else 1
+    dims = tuple(range(-k, 0))
+    shards = [s for s in layout.shards if s.dim in dims]
+    if not shards:  # over channels only (ConvNeXt's LayerNorm2d): local
+        return wrap(F.layer_norm(x, x.shape[-k:], weight, bias, eps), layout)
+    count = math.prod(layout.global_shape(x)[-k:])
+    mean, var = _stats(x, dims, shards, count)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    slices = layout.local_slices(x.dim())[-k:]  # affine parameters cover the global dims: take our rows
+    if weight is not None:
+        out = out * weight[slices]
+    if bias is not None:
+        out = out + bias[slices]
+    return wrap(out, layout)
+
+
+HANDLERS = {
+    F.batch_norm: batch_norm,
+    F.group_norm: group_norm,
+    F.instance_norm: instance_norm,
+    F.layer_norm: layer_norm,
+}
+
+__all__ = ["HANDLERS"]

@@ -1,0 +1,173 @@
+"""Views, permutes, concatenation and channel-wise linear maps: local when they keep every sharded dim
+whole, an exact gather (with the fallback's warning) when they merge or cut one.
+
+Sizes passed by user code are global (``SpatialTensor.shape`` is global), so a view is translated to
+the shard by tracking each sharded dim through the reshape: it survives when the product of the sizes
+before it is unchanged and it keeps its own size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..tensor import DimShard, Layout, LayoutError, fallback, unwrap, wrap
+
+
+def _sizes(shape) -> tuple:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        return tuple(shape[0])
+    return tuple(shape)
+
+
+def _resolve(shape: tuple, numel: int) -> list[int]:
+    shape = list(shape)
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        shape[shape.index(-1)] = numel // known if known else 0
+    return shape
+
+
+def track(layout: Layout, global_in, global_out) -> Layout | None:
+    """Where each sharded dim lands after reshaping ``global_in`` to ``global_out`` (None: merged/cut)."""
+    shards = []
+    for s in layout.shards:
+        p = len(global_in) + s.dim
+        prefix = math.prod(global_in[:p])
+        for q, n in enumerate(global_out):
+            if n == s.size and math.prod(global_out[:q]) == prefix:
+                shards.append(DimShard(q - len(global_out), s.axis, s.size))
+                break
+        else:
+            return None
+    return Layout(tuple(shards))
+
+
+def _local_shape(layout: Layout, shape: list[int]) -> list[int]:
+    shape = list(shape)
+    for s in layout.shards:
+        shape[s.dim] = s.stop - s.start
+    return shape
+
+
+def _reshape(func):
+    def reshape(input, *shape):
+        x, layout = unwrap(input)
+        global_in = list(layout.global_shape(x))
+        global_out = _resolve(_sizes(shape), math.prod(global_in))
+        new = track(layout, global_in, global_out)
+        if new is None:
+            return fallback(func, (input, *shape), {})
+        return wrap(func(x, _local_shape(new, global_out)), new)
+
+    return reshape
+
+
+def _shape_op(func):
+    """flatten, unflatten, squeeze, unsqueeze: run locally, track the sharded dims by global sizes."""
+
+    def op(input, *args, **kwargs):
+        x, layout = unwrap(input)
+        global_in = list(layout.global_shape(x))
+        global_out = list(func(torch.empty(global_in, device="meta"), *args, **kwargs).shape)
+        new = track(layout, global_in, global_out)
+        if new is None:
+            return fallback(func, (input, *args), kwargs)
+        return wrap(func(x, *args, **kwargs), new)
+
+    return op
+
+
+def _permute_op(func):
+    """permute/transpose/movedim/mT: the sharded dims move with the data."""
+
+    def permute(input, *args, **kwargs):
+        x, layout = unwrap(input)
+        ndim = x.dim()
+        probe = torch.empty(list(range(2, 2 + ndim)), device="meta")  # distinct sizes reveal the permutation
+        order = [n - 2 for n in func(probe, *args, **kwargs).shape]
+        shards = [DimShard(order.index(ndim + s.dim) - ndim, s.axis, s.size) for s in layout.shards]
+        return wrap(func(x, *args, **kwargs), Layout(tuple(shards)))
+
+    return permute
+
+
+def _expand(func):
+    def expand(input, *sizes):
+        x, layout = unwrap(input)
+        sizes = list(_sizes(sizes))
+        for s in layout.shards:
+            if sizes[s.dim] not in (-1, s.size):
+                raise LayoutError(f"expand: dim {s.dim} is sharded with global size {s.size}, cannot expand to {sizes[s.dim]}")
+            sizes[s.dim] = -1
+        return wrap(func(x, sizes), layout)
+
+    return expand
+
+
+_INSERTS_DIM = {torch.stack}
+_REMOVES_DIM = {torch.unbind, torch.Tensor.unbind}
+
+
+def _along_unsharded(func, dim_arg: int):
+    """cat/stack/split/chunk/unbind along a dim that is not sharded: local and exact (else the fallback)."""
+
+    def op(*args, **kwargs):
+        many = isinstance(args[0], (list, tuple))
+        tensors = list(args[0]) if many else [args[0]]
+        dim = kwargs.get("dim", args[dim_arg] if len(args) > dim_arg else 0)
+        layouts = {unwrap(t)[1] for t in tensors}
+        layout = next(iter(layouts))
+        if len(layouts) != 1 or layout is None:
+            return fallback(func, args, kwargs)  # mixed layouts or replicated operands: exact via gather
+        ndim = tensors[0].dim()
+        out_ndim = ndim + (func in _INSERTS_DIM) - (func in _REMOVES_DIM)
+        at = dim % (out_ndim if func in _INSERTS_DIM else ndim)
+        shards = []
+        for s in layout.shards:
+            pos = ndim + s.dim
+            if pos == at and func not in _INSERTS_DIM:
+                return fallback(func, args, kwargs)
+            pos += (func in _INSERTS_DIM and pos >= at) - (func in _REMOVES_DIM and pos > at)
+            shards.append(DimShard(pos - out_ndim, s.axis, s.size))
+        new = Layout(tuple(shards))
+        locals_ = [unwrap(t)[0] for t in tensors]
+        out = func(locals_ if many else locals_[0], *args[1:], **kwargs)
+        return tuple(wrap(o, new) for o in out) if isinstance(out, (tuple, list)) else wrap(out, new)
+
+    return op
+
+
+def linear(input, weight, bias=None):
+    x, layout = unwrap(input)
+    if layout.get(-1) is not None:
+        raise LayoutError("linear: the last dim (features) is sharded; shard only spatial dims")
+    return wrap(F.linear(x, weight, bias), layout)
+
+
+def _registrations() -> dict:
+    handlers = {}
+    for f in (torch.Tensor.view, torch.Tensor.reshape, torch.reshape):
+        handlers[f] = _reshape(f)
+    for f in (torch.flatten, torch.Tensor.flatten, torch.unflatten, torch.Tensor.unflatten, torch.squeeze,
+              torch.Tensor.squeeze, torch.unsqueeze, torch.Tensor.unsqueeze):
+        handlers[f] = _shape_op(f)
+    for f in (torch.permute, torch.Tensor.permute, torch.transpose, torch.Tensor.transpose, torch.swapaxes,
+              torch.Tensor.swapaxes, torch.movedim, torch.Tensor.movedim, torch.Tensor.mT.__get__):
+        handlers[f] = _permute_op(f)
+    handlers[torch.Tensor.expand] = _expand(torch.Tensor.expand)
+    for f in (torch.cat, torch.concat, torch.stack):
+        handlers[f] = _along_unsharded(f, 1)
+    for f in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk):
+        handlers[f] = _along_unsharded(f, 2)
+    for f in (torch.unbind, torch.Tensor.unbind):
+        handlers[f] = _along_unsharded(f, 1)
+    handlers[F.linear] = linear
+    return handlers
+
+
+HANDLERS = _registrations()
+
+__all__ = ["HANDLERS", "track"]

@@ -1,0 +1,49 @@
+"""Reductions and softmax over sharded, unsharded and all dims."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.oracle import check
+from tests.spmd import LAYOUTS, axes, run_spmd
+
+LAYOUT_NAMES = list(LAYOUTS)
+
+OPS = {
+    "sum_w": lambda x: x.sum(-1),
+    "sum_hw_keepdim": lambda x: torch.sum(x, (2, 3), keepdim=True),
+    "sum_all": lambda x: x.sum(),
+    "sum_channels": lambda x: x.sum(1),  # unsharded: local, the layout shifts
+    "mean_hw": lambda x: x.mean((-2, -1)),
+    "mean_all": lambda x: torch.mean(x),
+    "amax_w": lambda x: x.amax(-1),
+    "amin_hw": lambda x: torch.amin(x, (2, 3), keepdim=True),
+    "var_hw": lambda x: x.var((2, 3)),
+    "var_w_biased": lambda x: torch.var(x, -1, correction=0, keepdim=True),
+    "std_all": lambda x: x.std(),
+    "norm2_hw": lambda x: x.norm(p=2, dim=(2, 3), keepdim=True),
+    "vector_norm_1": lambda x: torch.linalg.vector_norm(x, 1, dim=(-1, -2)),
+    "vector_norm_inf": lambda x: torch.linalg.vector_norm(x, math.inf, dim=-1),
+    "vector_norm_3": lambda x: torch.linalg.vector_norm(x, 3, dim=(1, 2, 3)),
+    "logsumexp_hw": lambda x: torch.logsumexp(x, (2, 3)),
+    "softmax_w": lambda x: F.softmax(x, dim=-1),
+    "softmax_h": lambda x: x.softmax(-2),
+    "log_softmax_w": lambda x: torch.log_softmax(x, -1),
+    "softmax_channels": lambda x: F.softmax(x, dim=1),
+}
+
+
+def _case(layout, name):
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 7, 23 if layout == "w3" else 10)
+    check(OPS[name], [x], sharded=[0], axes=axes(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("name", list(OPS))
+def test_reduction(layout, name):
+    run_spmd(_case, LAYOUTS[layout][0], layout, name)

@@ -1,0 +1,66 @@
+"""F.interpolate / nn.Upsample over sharded dims: every mode, align_corners, scale factors and sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.oracle import check
+from tests.spmd import LAYOUTS, axes, run_spmd
+
+LAYOUT_NAMES = list(LAYOUTS)
+
+RESIZES = [  # (size, scale_factor, recompute_scale_factor)
+    (None, 2, None),
+    (None, 1.5, None),
+    (None, 0.7, None),
+    (None, (2.3, 0.55), True),
+    ((17, 29), None, None),
+    ((4, 6), None, None),
+]
+
+
+def _case(layout, mode, align_corners, size, scale_factor, recompute):
+    torch.manual_seed(9)
+    x = torch.randn(2, 3, 9, 23 if layout == "w3" else 12)
+    kwargs = {"align_corners": align_corners} if align_corners is not None else {}
+
+    def op(x):
+        return F.interpolate(x, size=size, scale_factor=scale_factor, mode=mode, recompute_scale_factor=recompute, **kwargs)
+
+    check(op, [x], sharded=[0], axes=axes(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("mode,align_corners", [("nearest", None), ("nearest-exact", None), ("bilinear", False),
+                                                ("bilinear", True), ("bicubic", False), ("bicubic", True),
+                                                ("area", None)])
+@pytest.mark.parametrize("size,scale_factor,recompute", RESIZES)
+def test_interpolate(layout, mode, align_corners, size, scale_factor, recompute):
+    run_spmd(_case, LAYOUTS[layout][0], layout, mode, align_corners, size, scale_factor, recompute)
+
+
+def _upsample_module_case(layout):
+    torch.manual_seed(10)
+    up = torch.nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+    check(up, [torch.randn(1, 2, 6, 13 if layout == "w3" else 8)], sharded=[0], axes=axes(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_upsample_module(layout):
+    run_spmd(_upsample_module_case, LAYOUTS[layout][0], layout)
+
+
+def _linear_1d_case(align_corners):
+    from lightning_spatial import Axis
+
+    torch.manual_seed(11)
+    check(lambda x: F.interpolate(x, scale_factor=1.7, mode="linear", align_corners=align_corners),
+          [torch.randn(2, 3, 20)], sharded=[0], axes={-1: Axis.from_group()})
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_linear_1d(ranks, align_corners):
+    run_spmd(_linear_1d_case, ranks, align_corners)
