@@ -35,7 +35,7 @@ def _loss(fn):
         reduction = params.get("reduction", "mean")
         first, second = list(signature.parameters)[:2]
         layout = common_layout(fn, [params[first], params[second]])
-        x, target = (localize(fn, unwrap(params[n])[0], layout) for n in (first, second))
+        x, target = (unwrap(localize(fn, params[n], layout))[0] for n in (first, second))
         for name in ("weight", "pos_weight"):
             if isinstance(params.get(name), torch.Tensor) and unwrap(params[name])[1] is not None:
                 raise LayoutError(f"{fn.__name__}: {name} is sharded; pass it replicated")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..tensor import DimShard, Layout, LayoutError, fallback, unwrap, wrap
@@ -140,6 +141,54 @@ def _along_unsharded(func, dim_arg: int):
     return op
 
 
+def _index_map(index, ndim: int) -> dict[int, int] | None:
+    """Input dim -> output dim for basic indexing (ints, slices, None, Ellipsis); None for advanced indexing.
+    Only dims indexed with a full slice ``:`` are mapped."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
+        return None
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    expanded = []
+    for i in index:
+        expanded.extend([slice(None)] * (ndim - consumed) if i is Ellipsis else [i])
+    if Ellipsis not in index:
+        expanded.extend([slice(None)] * (ndim - consumed))
+    mapping, d_in, d_out = {}, 0, 0
+    for i in expanded:
+        if i is None:
+            d_out += 1
+        elif isinstance(i, int):
+            d_in += 1
+        else:
+            if i == slice(None):
+                mapping[d_in] = d_out
+            d_in, d_out = d_in + 1, d_out + 1
+    return {k: v - d_out for k, v in mapping.items()}  # output dims as negative indices
+
+
+def getitem(input, index):
+    """Indexing that leaves every sharded dim whole (``x[:, 0]``, ``x[..., None]``) is local."""
+    x, layout = unwrap(input)
+    mapping = _index_map(index, x.dim())
+    ndim = x.dim()
+    if mapping is None or any(ndim + s.dim not in mapping for s in layout.shards):
+        return fallback(torch.Tensor.__getitem__, (input, index), {})
+    shards = tuple(DimShard(mapping[ndim + s.dim], s.axis, s.size) for s in layout.shards)
+    return wrap(x[index], Layout(shards))
+
+
+def one_hot(input, num_classes=-1):
+    """A new trailing class dim; with ``num_classes=-1`` the class count is the *global* max + 1."""
+    x, layout = unwrap(input)
+    if num_classes == -1:
+        top = x.max().reshape(1)
+        for s in layout.shards:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=s.axis.group)
+        num_classes = int(top) + 1  # torch's one_hot syncs here too
+    shards = tuple(DimShard(s.dim - 1, s.axis, s.size) for s in layout.shards)
+    return wrap(F.one_hot(x, num_classes), Layout(shards))
+
+
 def linear(input, weight, bias=None):
     x, layout = unwrap(input)
     if layout.get(-1) is not None:
@@ -157,7 +206,9 @@ def _registrations() -> dict:
     for f in (torch.permute, torch.Tensor.permute, torch.transpose, torch.Tensor.transpose, torch.swapaxes,
               torch.Tensor.swapaxes, torch.movedim, torch.Tensor.movedim, torch.Tensor.mT.__get__):
         handlers[f] = _permute_op(f)
-    handlers[torch.Tensor.expand] = _expand(torch.Tensor.expand)
+    expand = _expand(torch.Tensor.expand)
+    handlers[torch.Tensor.expand] = expand
+    handlers[torch.Tensor.expand_as] = lambda x, other: expand(x, other.shape)  # other's shape is global
     for f in (torch.cat, torch.concat, torch.stack):
         handlers[f] = _along_unsharded(f, 1)
     for f in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk):
@@ -165,6 +216,8 @@ def _registrations() -> dict:
     for f in (torch.unbind, torch.Tensor.unbind):
         handlers[f] = _along_unsharded(f, 1)
     handlers[F.linear] = linear
+    handlers[F.one_hot] = one_hot
+    handlers[torch.Tensor.__getitem__] = getitem
     return handlers
 
 
