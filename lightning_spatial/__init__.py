@@ -1,4 +1,7 @@
-"""lightning_spatial: spatially sharded activations for training camera models across GPUs."""
+"""lightning_spatial: spatially sharded activations for training camera models across GPUs.
+
+``import lightning_spatial`` registers the ``"spatial_tp"`` strategy in Lightning's StrategyRegistry.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,23 @@ from . import ops
 from .collectives import all_gather, all_reduce
 from .halo import fetch_window
 from .layout import partition
+from .mesh import SpatialDims
+from .sharding import shard_batch
+from .strategies import SpatialParallelStrategy
 from .tensor import Axis, DimShard, Layout, LayoutError, SpatialTensor, gather, shard
 
 ops.install()
+
+
+def _register_strategies() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for strategy in (SpatialParallelStrategy,):
+        if strategy.strategy_name not in StrategyRegistry:
+            strategy.register_strategies(StrategyRegistry)
+
+
+_register_strategies()
 
 __version__ = "0.1.0"
 
@@ -17,6 +34,8 @@ __all__ = [
     "DimShard",
     "Layout",
     "LayoutError",
+    "SpatialDims",
+    "SpatialParallelStrategy",
     "SpatialTensor",
     "all_gather",
     "all_reduce",
@@ -24,4 +43,5 @@ __all__ = [
     "gather",
     "partition",
     "shard",
+    "shard_batch",
 ]

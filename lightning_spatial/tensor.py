@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,18 +35,31 @@ class LayoutError(ValueError):
     """Raised before any communication when tensors or arguments cannot be sharded as asked."""
 
 
+# Process groups by their global ranks: an Axis pickles as plain ranks (DataLoader workers build
+# layouts) and finds its group again in the process that communicates.
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
 @dataclass(frozen=True)
 class Axis:
-    """One mesh axis as seen from this rank: the process group, its global ranks and our index in it."""
+    """One mesh axis as seen from this rank: its global ranks (in group order) and our index among them."""
 
-    group: Any = field(compare=False, repr=False)
     ranks: tuple[int, ...]
     index: int
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None) -> Axis:
         group = group or dist.group.WORLD
-        return cls(group, tuple(dist.get_process_group_ranks(group)), dist.get_rank(group))
+        ranks = tuple(dist.get_process_group_ranks(group))
+        _GROUPS[ranks] = group
+        return cls(ranks, dist.get_rank(group))
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        try:
+            return _GROUPS[self.ranks]
+        except KeyError:
+            raise RuntimeError(f"no process group for ranks {self.ranks} in this process; build it with Axis.from_group") from None
 
     @property
     def size(self) -> int:

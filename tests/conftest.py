@@ -2,3 +2,17 @@ import torch
 
 # Forked ranks must not inherit a busy intra-op thread pool; tiny tensors need no threads anyway.
 torch.set_num_threads(1)
+
+
+import socket
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _fresh_master_port(monkeypatch):
+    """Each Trainer-level test rendezvous on its own free port (Lightning reuses MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -3,7 +3,8 @@
 Two passes (mean, then the sum of squared deviations) keep fp32 accuracy. BatchNorm's running statistics
 are updated from the global batch statistics exactly as one device would (unbiased variance with the
 global count); eval mode uses the running statistics locally. BatchNorm statistics span the spatial group
-only: the data-parallel group joins only when the user asked for SyncBatchNorm.
+only: the data-parallel group joins only when the user asked for SyncBatchNorm (``Trainer(sync_batchnorm=True)``,
+which the strategy routes here through ``sync_batch_norm_over``; it assumes equal batch sizes per replica).
 """
 
 from __future__ import annotations
@@ -15,6 +16,15 @@ import torch.nn.functional as F
 
 from ..tensor import LayoutError, unwrap, wrap
 from .reduce import across
+
+
+_SYNC_AXIS = None  # the data axis while the strategy runs SyncBatchNorm
+
+
+def sync_batch_norm_over(axis) -> None:
+    """Make training-mode batch_norm also reduce its statistics over ``axis`` (None: spatial axes only)."""
+    global _SYNC_AXIS
+    _SYNC_AXIS = axis
 
 
 def _stats(x: torch.Tensor, dims: tuple[int, ...], shards, count: int):
@@ -41,6 +51,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         return wrap(F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(d - x.dim() for d in range(x.dim()) if d != 1)
     count = math.prod(layout.global_shape(x)[d] for d in dims)
+    if _SYNC_AXIS is not None:
+        shards, count = [*shards, _SYNC_AXIS], count * _SYNC_AXIS.size
     if count <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(layout.global_shape(x))}")
     mean, var = _stats(x, dims, shards, count)

@@ -38,10 +38,11 @@ def reduced_layout(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> Layo
     return Layout(tuple(kept)) if kept else None
 
 
-def across(x: torch.Tensor, shards: list[DimShard], op=SUM) -> torch.Tensor:
-    """All-reduce a partial result over the axes of ``shards`` (one after the other for 2-D tiles)."""
+def across(x: torch.Tensor, shards: list, op=SUM) -> torch.Tensor:
+    """All-reduce a partial result over the axes of ``shards`` (``DimShard`` or ``Axis``; one after the
+    other for 2-D tiles)."""
     for s in shards:
-        x = all_reduce(x, s.axis.group, op)
+        x = all_reduce(x, getattr(s, "axis", s).group, op)
     return x
 
 
