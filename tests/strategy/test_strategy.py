@@ -1,0 +1,190 @@
+"""Strategy behaviour beyond equivalence: data path, logging and metrics, checkpoints, precision, errors."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor, gather
+from tests.strategy.lit import Images, LitModel, loader
+from tests.strategy.test_equivalence import assert_same_weights
+
+
+def trainer(devices=2, spatial=2, shard_dim="width", max_epochs=2, **kwargs):
+    kwargs = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+              "enable_model_summary": False, "num_sanity_val_steps": 0, **kwargs}
+    strategy = SpatialParallelStrategy(spatial, shard_dim, start_method="fork") if spatial else "auto"
+    return L.Trainer(accelerator="cpu", devices=devices if spatial else 1, strategy=strategy, max_epochs=max_epochs,
+                     **kwargs)
+
+
+class CheckBatches(L.Callback):
+    """Runs inside every rank: the batch is sharded as promised and a spatial group sees the same samples."""
+
+    def __init__(self, spatial: int, width: int):
+        self.spatial, self.width = spatial, width
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        image, mask, label = batch["image"], batch["mask"], batch["label"]
+        assert isinstance(image, SpatialTensor) and isinstance(mask, SpatialTensor)
+        assert type(label) is torch.Tensor
+        assert image.shape[-1] == self.width  # global shape
+        assert image.to_local().shape[-1] == self.width // self.spatial  # only our slice was loaded
+        labels = [torch.empty_like(label) for _ in range(dist.get_world_size())]
+        dist.all_gather(labels, label)
+        group = trainer.global_rank // self.spatial * self.spatial
+        assert all(torch.equal(labels[group + i], label) for i in range(self.spatial))
+        if dist.get_world_size() > self.spatial:  # another data replica: other samples
+            other = (group + self.spatial) % dist.get_world_size()
+            assert not torch.equal(labels[other], label)
+
+    def on_train_end(self, trainer, pl_module):
+        for p in pl_module.parameters():
+            q = p.detach().clone()
+            dist.broadcast(q, 0)
+            assert torch.equal(q, p.detach()), "weights differ between ranks"
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_batches_are_sharded_and_sampled_per_data_replica(devices):
+    model = LitModel("segnet")
+    trainer(devices, 2, callbacks=[CheckBatches(2, 24)]).fit(model, loader(Images(8, 16, 24), 2))
+
+
+def test_logged_values_and_metrics_match_single_device():
+    data = Images(8, 32, 64)
+    reference, ours = LitModel("convnext_atto"), LitModel("convnext_atto")
+    expected = trainer(spatial=None).validate(reference, loader(data, 4), verbose=False)[0]
+    got = trainer(4, 2).validate(ours, loader(data, 2), verbose=False)[0]
+    assert set(got) == {"val_loss", "val_acc"}
+    for key in expected:
+        assert abs(got[key] - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), (key, got[key], expected[key])
+
+
+class CheckPredictions(L.Callback):
+    def __init__(self):
+        self.batches = 0
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        assert type(outputs) is torch.Tensor and outputs.shape == (2, 3, 16, 24)
+        expected = pl_module.model(gather(batch["image"]))  # the plain model on the full image
+        assert type(expected) is torch.Tensor
+        torch.testing.assert_close(outputs, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        self.batches += 1
+
+    def on_predict_end(self, trainer, pl_module):
+        assert self.batches == 2
+
+
+def test_predict_returns_full_tensors():
+    """With fork, predictions stay in the workers: check them there against the plain model."""
+    trainer(2, 2, callbacks=[CheckPredictions()]).predict(LitModel("segnet"), loader(Images(4, 16, 24), 2),
+                                                          return_predictions=False)
+
+
+def test_checkpoint_round_trip_and_resume(tmp_path):
+    data = Images(4, 32, 64)
+    uninterrupted = LitModel("convnext_atto")
+    trainer(2, 2, max_epochs=4).fit(uninterrupted, loader(data, 4))
+
+    first = LitModel("convnext_atto")
+    t = trainer(2, 2, max_epochs=2, default_root_dir=tmp_path, enable_checkpointing=True)
+    t.fit(first, loader(data, 4))
+    path = t.checkpoint_callback.best_model_path or t.checkpoint_callback.last_model_path
+    checkpoint = torch.load(path, weights_only=False)
+    # a spatial checkpoint loads into the plain model on one device
+    plain = LitModel("convnext_atto")
+    plain.load_state_dict(checkpoint["state_dict"])
+    assert_same_weights(plain, first, tolerance=0)
+    # resuming gives the trajectory of not stopping
+    resumed = LitModel("convnext_atto")
+    trainer(2, 2, max_epochs=4).fit(resumed, loader(data, 4), ckpt_path=path)
+    assert_same_weights(resumed, uninterrupted, tolerance=1e-5)
+
+
+def test_plain_checkpoint_loads_into_a_spatial_run(tmp_path):
+    data = Images(4, 32, 64)
+    t = trainer(spatial=None, max_epochs=1, default_root_dir=tmp_path, enable_checkpointing=True)
+    t.fit(LitModel("convnext_atto"), loader(data, 4))
+    reference = LitModel("convnext_atto")
+    trainer(spatial=None, max_epochs=2).fit(reference, loader(data, 4), ckpt_path=t.checkpoint_callback.last_model_path or t.checkpoint_callback.best_model_path)
+    ours = LitModel("convnext_atto")
+    trainer(2, 2, max_epochs=2).fit(ours, loader(data, 4), ckpt_path=t.checkpoint_callback.last_model_path or t.checkpoint_callback.best_model_path)
+    assert_same_weights(ours, reference)
+
+
+@pytest.mark.parametrize("options", [
+    {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"},
+    {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+    {"accumulate_grad_batches": 2},
+])
+def test_clipping_and_accumulation_match_single_device(options):
+    data = Images(4, 16, 24)
+    reference, ours = LitModel("segnet"), LitModel("segnet")
+    trainer(spatial=None, **options).fit(reference, loader(data, 2))
+    # one data replica: keep the loader's sequential order (Lightning's sampler would shuffle training data)
+    trainer(2, 2, use_distributed_sampler=False, **options).fit(ours, loader(data, 2))
+    assert_same_weights(ours, reference)
+
+
+def _max_relative_difference(a, b) -> float:
+    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item()
+               for x, y in zip(a.state_dict().values(), b.state_dict().values()) if y.is_floating_point())
+
+
+def test_bf16_mixed_is_as_close_to_single_device_as_bf16_is_to_fp32():
+    """bf16 rounds differently per tile size, so the yardstick is bf16's own error on one device."""
+    data = Images(4, 32, 64)
+    fp32, bf16, ours = LitModel("convnext_atto"), LitModel("convnext_atto"), LitModel("convnext_atto")
+    trainer(spatial=None).fit(fp32, loader(data, 4))
+    trainer(spatial=None, precision="bf16-mixed").fit(bf16, loader(data, 4))
+    trainer(2, 2, precision="bf16-mixed").fit(ours, loader(data, 4))
+    yardstick = _max_relative_difference(bf16, fp32)
+    assert 0 < yardstick < 0.5
+    assert _max_relative_difference(ours, bf16) <= 2 * yardstick
+
+
+def test_activation_checkpointing_matches_single_device():
+    data = Images(4, 32, 64)
+    reference, ours = LitModel("convnext_atto"), LitModel("convnext_atto")
+    for m in (reference, ours):
+        m.model.set_grad_checkpointing(True)
+    trainer(spatial=None).fit(reference, loader(data, 4))
+    trainer(2, 2).fit(ours, loader(data, 4))
+    assert_same_weights(ours, reference)
+
+
+def test_spatial_dims_validate_without_processes():
+    dims = SpatialDims.from_strategy_args(8, (2, 2), "width", default=8)
+    assert (dims.data, dims.spatial_h, dims.spatial_w) == (2, 2, 2)
+    assert dims.coordinates(5) == (1, 0, 1)
+    assert SpatialDims.from_strategy_args(4, 4, "height", default=4).shape == (1, 4, 1)
+    with pytest.raises(ValueError, match="spatial_size 1x3=3 does not divide the world size 4"):
+        SpatialDims.from_strategy_args(4, 3, "width", default=4)
+    with pytest.raises(ValueError, match="shard_dim must be one of"):
+        SpatialDims.from_strategy_args(4, 2, "depth", default=4)
+
+
+def test_unsupported_shard_dim_fails_at_construction():
+    with pytest.raises(ValueError, match="shard_dim must be one of .'width', 'height'., got 'channels'"):
+        SpatialParallelStrategy(2, "channels")
+
+
+@pytest.mark.parametrize("case,match", [
+    ("indivisible", "spatial_size 1x3=3 does not divide the world size 2"),
+    ("too narrow", "has size 2, smaller than its 2 ranks|dim -1 has size 1, smaller than its 2 ranks"),
+    ("no image", "no image-sized tensor in the batch"),
+])
+def test_bad_input_fails_before_training(case, match):
+    model = LitModel("segnet")
+    if case == "indivisible":
+        t, data = trainer(2, 3), Images(4, 16, 24)
+    elif case == "too narrow":
+        t, data = trainer(2, 2), Images(4, 16, 1)
+    else:
+        t, data = trainer(2, 2), [{"label": torch.tensor(1), "vector": torch.randn(5)}] * 4
+    with pytest.raises(Exception, match=match):
+        t.fit(model, loader(data, 2))
+    assert model.model.enc1[0].weight.grad is None  # not one backward ran
