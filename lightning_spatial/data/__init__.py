@@ -1,0 +1,5 @@
+"""Data modules for the recipes (no strategy imports)."""
+
+from .scenes import SyntheticScenes
+
+__all__ = ["SyntheticScenes"]

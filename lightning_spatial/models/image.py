@@ -1,0 +1,71 @@
+"""A timm backbone trained for image classification or dense segmentation: the recipes' main module.
+
+It is an ordinary LightningModule; under ``strategy="spatial_tp"`` its activations are sharded without any
+change here. Weights: ``pretrained=False`` by default (no hub is reachable); pass ``checkpoint_path`` to
+load local timm weights (a ``.safetensors``/``.pth`` file for the same architecture).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import lightning as L
+import timm
+import torch
+import torch.nn.functional as F
+import torchmetrics
+
+
+class ImageTask(L.LightningModule):
+    def __init__(
+        self,
+        backbone: str = "convnext_atto",
+        task: Literal["classification", "segmentation"] = "classification",
+        num_classes: int = 3,
+        lr: float = 1e-3,
+        weight_decay: float = 0.05,
+        checkpoint_path: str | None = None,
+        grad_checkpointing: bool = False,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        overlay = {"file": checkpoint_path} if checkpoint_path else None
+        common = {"pretrained": checkpoint_path is not None, "pretrained_cfg_overlay": overlay}
+        if task == "classification":
+            self.backbone = timm.create_model(backbone, num_classes=num_classes, **common)
+            self.head = None
+        else:
+            self.backbone = timm.create_model(backbone, features_only=True, out_indices=(-1,), **common)
+            self.head = torch.nn.Conv2d(self.backbone.feature_info.channels()[-1], num_classes, 1)
+        if grad_checkpointing:
+            self.backbone.set_grad_checkpointing(True)
+        metric = torchmetrics.classification.MulticlassAccuracy(num_classes, average="micro")
+        self.train_accuracy, self.val_accuracy = metric.clone(), metric.clone()
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            return self.backbone(image)
+        features = self.backbone(image)[-1]
+        return F.interpolate(self.head(features), size=image.shape[-2:], mode="bilinear", align_corners=False)
+
+    def _step(self, batch, stage: str, accuracy: torchmetrics.Metric):
+        logits = self(batch["image"])
+        target = batch["label"] if self.head is None else batch["mask"]
+        loss = F.cross_entropy(logits, target)
+        self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=True)
+        if self.head is None:
+            accuracy(logits, target)
+            self.log(f"{stage}_acc", accuracy, prog_bar=True)
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, "train", self.train_accuracy)
+
+    def validation_step(self, batch, batch_idx):
+        self._step(batch, "val", self.val_accuracy)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch["image"])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
