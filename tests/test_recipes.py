@@ -29,5 +29,5 @@ def test_train_recipe(overrides, tmp_path):
 
 @pytest.mark.slow
 def test_multirun_sweep(tmp_path):
-    out = run("strategy.shard_dim=width,height", tmp_path=tmp_path, flags=("-m",))
+    out = run("strategy.spatial_size=1,2", tmp_path=tmp_path, flags=("-m",))  # data parallel vs spatial
     assert out.count("final metrics:") == 2
