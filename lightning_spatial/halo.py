@@ -85,12 +85,27 @@ def _shape(x: torch.Tensor, dim: int, length: int) -> list[int]:
     return shape
 
 
+class HaloStats:
+    """Bytes this rank sent in halo exchanges (forward and backward), for benchmarks; host-side counts only."""
+
+    sent_bytes = 0
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.sent_bytes = 0
+
+
+def _count_sent(sends: list[tuple[int, torch.Tensor]]) -> None:
+    HaloStats.sent_bytes += sum(t.numel() * t.element_size() for _, t in sends)
+
+
 class _FetchWindow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: _Plan, dim: int, shard: DimShard, fill: float) -> torch.Tensor:
         ctx.plan, ctx.dim, ctx.axis = plan, dim, shard.axis
         sends = [(j, _select(x, dim, rows).contiguous()) for j, rows in plan.sends]
         recvs = [(j, x.new_empty(_shape(x, dim, count))) for j, _, count in plan.recvs]
+        _count_sent(sends)
         _p2p(shard.axis, sends, recvs)
         out = x.new_empty(_shape(x, dim, plan.length)) if plan.covered else x.new_full(_shape(x, dim, plan.length), fill)
         if plan.local is not None:
@@ -105,6 +120,7 @@ class _FetchWindow(torch.autograd.Function):
         plan, dim = ctx.plan, ctx.dim
         sends = [(j, _select(grad, dim, pos).contiguous()) for j, pos, _ in plan.recvs]
         recvs = [(j, grad.new_empty(_shape(grad, dim, _count(rows)))) for j, rows in plan.sends]
+        _count_sent(sends)
         _p2p(ctx.axis, sends, recvs)
         grad_x = grad.new_zeros(ctx.local_shape)
         if plan.local is not None:
@@ -157,4 +173,4 @@ def fetch_window(
     return _FetchWindow.apply(x, plan, shard.dim, shard, fill)
 
 
-__all__ = ["fetch_window"]
+__all__ = ["HaloStats", "fetch_window"]

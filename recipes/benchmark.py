@@ -1,0 +1,210 @@
+"""Per-rank memory and step time of spatial training against the single-GPU shard-only baseline.
+
+One GPU (PyTorch's ``fake`` process group: collectives return at once, so this measures one rank's real
+compute and memory; halo bytes are counted separately):
+
+    python recipes/benchmark.py --widths 4096 --spatial 4,8 --layouts width --precisions fp32
+
+N GPUs (real NCCL halos and gradient all-reduce; spatial groups of ``--spatial`` ranks):
+
+    torchrun --nproc-per-node 8 recipes/benchmark.py --widths 4096 --spatial 8
+
+For each configuration it times, in the same process: the plain model on one rank's share of the input
+("shard-only": the ideal, no halo, no communication) and our spatial step on that rank (forward,
+backward, AdamW). Ratios ours/shard-only are the numbers that matter. CPU smoke run (CI):
+
+    python recipes/benchmark.py --device cpu --model convnext_atto --batch 1 --height 32 --widths 64 --spatial 2 --steps 1 --warmup 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+
+import timm
+import torch
+import torch.distributed as dist
+
+from lightning_spatial import Axis, SpatialDims
+from lightning_spatial.halo import HaloStats
+from lightning_spatial.layout import partition
+from lightning_spatial.tensor import Layout, DimShard, wrap
+
+GIB = 2**30
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="convnext_xlarge")
+    p.add_argument("--batch", type=int, default=7)
+    p.add_argument("--height", type=int, default=512)
+    p.add_argument("--widths", default="4096", help="comma list")
+    p.add_argument("--spatial", default="4", help="comma list of spatial group sizes")
+    p.add_argument("--layouts", default="width", help="comma list: width, height, tiles (2-D, square-ish)")
+    p.add_argument("--precisions", default="fp32", help="comma list: fp32, bf16")
+    p.add_argument("--ckpt", default="0", help="comma list: 0, 1 (timm activation checkpointing)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--baseline", default="1", help="also time the shard-only baseline (0/1)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    return p.parse_args()
+
+
+def tiles(layout: str, s: int) -> tuple[int, int]:
+    if layout == "width":
+        return 1, s
+    if layout == "height":
+        return s, 1
+    h = int(s**0.5)
+    while s % h:
+        h -= 1
+    return h, s // h
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(step, device, steps: int, warmup: int) -> tuple[float, float]:
+    """(median step ms, peak GiB during the timed steps)."""
+    for _ in range(warmup):
+        step()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
+    return statistics.median(times), peak
+
+
+def train_step(model, optimizer, make_input, precision: str, device: torch.device):
+    def step():
+        x = make_input()
+        ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        with ctx:
+            out = model(x)
+            loss = out.float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def build(args, device, ckpt: bool):
+    torch.manual_seed(0)
+    model = timm.create_model(args.model, pretrained=False, num_classes=10).to(device)
+    model.set_grad_checkpointing(ckpt)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def free(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_config(args, device, width: int, s: int, layout: str, precision: str, ckpt: bool, real: bool) -> dict:
+    sh, sw = tiles(layout, s)
+    rank = dist.get_rank() if real else min(1, s - 1)  # fake: an interior rank (halos on both sides)
+    ih, iw = divmod(rank % s, sw)
+    (h0, h1), (w0, w1) = partition(args.height, sh)[ih], partition(width, sw)[iw]
+    local = (args.batch, 3, h1 - h0, w1 - w0)
+    row = {"model": args.model, "batch": args.batch, "height": args.height, "width": width, "spatial": s,
+           "layout": layout, "tiles": f"{sh}x{sw}", "precision": precision, "ckpt": ckpt, "rank": rank,
+           "backend": "nccl" if real else "fake", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    gen = torch.Generator(device=device).manual_seed(rank)
+    if args.baseline == "1" and (not real or rank == 0):
+        model, opt = build(args, device, ckpt)
+        step = train_step(model, opt, lambda: torch.randn(local, device=device, generator=gen), precision, device)
+        row["shard_ms"], row["shard_gib"] = measure(step, device, args.steps, args.warmup)
+        del model, opt, step
+        free(device)
+
+    if not real:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=rank, world_size=s, store=FakeStore())
+    dims = SpatialDims(dist.get_world_size(), sh, sw)
+    mesh = dims.build(device.type)
+    shards = []
+    if sh > 1:
+        shards.append(DimShard(-2, Axis.from_group(mesh.get_group("spatial_h")), args.height))
+    if sw > 1:
+        shards.append(DimShard(-1, Axis.from_group(mesh.get_group("spatial_w")), width))
+    layout_obj = Layout(tuple(shards)) if shards else None
+    model, opt = build(args, device, ckpt)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if not real:  # the fake backend's all-reduce yields no tensor; DDP's hook must hand one back
+        ddp.register_comm_hook(None, _completed)
+    row["grad_allreduce_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    step = train_step(ddp, opt, lambda: wrap(torch.randn(local, device=device, generator=gen), layout_obj), precision, device)
+    row["ours_ms"], row["ours_gib"] = measure(step, device, args.steps, args.warmup)
+    HaloStats.reset()
+    step()
+    row["halo_mib_per_step"] = HaloStats.sent_bytes / 2**20
+    if "shard_ms" in row:
+        row["time_ratio"] = row["ours_ms"] / row["shard_ms"]
+        row["mem_ratio"] = row["ours_gib"] / row["shard_gib"] if device.type == "cuda" else float("nan")
+    del ddp, model, opt, step
+    free(device)
+    if not real:
+        dist.destroy_process_group()
+    return row
+
+
+def _completed(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def main() -> None:
+    args = parse()
+    real = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if real:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
+    else:
+        device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+    rows = []
+    grid = [(w, int(s), lay, prec, ck == "1") for w in args.widths.split(",") for s in args.spatial.split(",")
+            for lay in args.layouts.split(",") for prec in args.precisions.split(",") for ck in args.ckpt.split(",")]
+    for width, s, layout, precision, ckpt in grid:
+        if real and s != dist.get_world_size():
+            continue
+        row = run_config(args, device, int(width), s, layout, precision, ckpt, real)
+        rows.append(row)
+        if not real or dist.get_rank() == 0:
+            print(json.dumps(row), flush=True)
+    if not real or dist.get_rank() == 0:
+        with open(os.path.join(args.out, "bench.jsonl"), "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        print(f"\n{'config':42} {'shard ms':>9} {'ours ms':>9} {'t ratio':>8} {'shard GiB':>10} {'ours GiB':>9} {'m ratio':>8} {'halo MiB':>9}")
+        for r in rows:
+            name = f"{r['batch']}x3x{r['height']}x{r['width']} S={r['spatial']} {r['tiles']} {r['precision']}{' ckpt' if r['ckpt'] else ''}"
+            print(f"{name:42} {r.get('shard_ms', float('nan')):9.1f} {r['ours_ms']:9.1f} {r.get('time_ratio', float('nan')):8.3f} "
+                  f"{r.get('shard_gib', float('nan')):10.2f} {r['ours_gib']:9.2f} {r.get('mem_ratio', float('nan')):8.3f} "
+                  f"{r['halo_mib_per_step']:9.1f}")
+    if real:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
