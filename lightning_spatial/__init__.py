@@ -1,6 +1,7 @@
 """lightning_spatial: spatially sharded activations for training camera models across GPUs.
 
-``import lightning_spatial`` registers the ``"spatial_tp"`` strategy in Lightning's StrategyRegistry.
+``import lightning_spatial`` registers the ``"spatial_tp"`` and ``"horovod"`` strategies in Lightning's
+StrategyRegistry.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from .halo import fetch_window
 from .layout import partition
 from .mesh import SpatialDims
 from .sharding import shard_batch
-from .strategies import SpatialParallelStrategy
+from .strategies import HorovodStrategy, SpatialParallelStrategy
 from .tensor import Axis, DimShard, Layout, LayoutError, SpatialTensor, gather, shard
 
 ops.install()
@@ -20,7 +21,7 @@ ops.install()
 def _register_strategies() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for strategy in (SpatialParallelStrategy,):
+    for strategy in (SpatialParallelStrategy, HorovodStrategy):
         if strategy.strategy_name not in StrategyRegistry:
             strategy.register_strategies(StrategyRegistry)
 
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Axis",
     "DimShard",
+    "HorovodStrategy",
     "Layout",
     "LayoutError",
     "SpatialDims",

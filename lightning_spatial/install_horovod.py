@@ -3,10 +3,11 @@
     python -m lightning_spatial.install_horovod            # gloo on CPU; NCCL too where CUDA is present
     python -m lightning_spatial.install_horovod --force    # rebuild even if a cached wheel exists
 
-Horovod's last release compiles as C++14 while torch >= 2.1 headers need C++17, and its bundled gloo stops
+Horovod's last release compiles as C++14 while torch's headers need C++17 (torch 2.1-2.13) or C++20
+(torch 2.14), and its bundled gloo stops
 at CMake 4's ``cmake_minimum_required`` check; on a machine without GPUs, a CUDA build of torch makes it
 compile CUDA paths it cannot link. We take the sdist from the package registry, switch the
-C++ standard to 17 (and, without GPUs, build the CPU extension), build a wheel without build isolation (against the installed torch) and cache it under
+C++ standard to torch's (and, without GPUs, build the CPU extension), build a wheel without build isolation (against the installed torch) and cache it under
 ``~/.cache/lightning_spatial/wheels`` keyed by Python, torch and GPU support, so repeat installs are fast.
 """
 
@@ -48,11 +49,19 @@ def build_env(gpu: bool) -> dict[str, str]:
     return env
 
 
-def patch_cxx_standard(source: Path) -> None:
+def torch_cxx_standard() -> int:
+    """The C++ standard the installed torch's headers demand (17 up to torch 2.13, 20 from 2.14)."""
+    import torch
+
+    aten = Path(torch.__file__).parent / "include" / "ATen" / "ATen.h"
+    return 20 if aten.exists() and "C++20" in aten.read_text() else 17
+
+
+def patch_cxx_standard(source: Path, standard: int) -> None:
     for cmake in (source / "CMakeLists.txt", source / "horovod" / "torch" / "CMakeLists.txt"):
         text = cmake.read_text()
-        patched = re.sub(r"set\(CMAKE_CXX_STANDARD 14\)", "set(CMAKE_CXX_STANDARD 17)", text)
-        if patched == text and "CMAKE_CXX_STANDARD 17" not in text:
+        patched = re.sub(r"set\(CMAKE_CXX_STANDARD 1[47]\)", f"set(CMAKE_CXX_STANDARD {standard})", text)
+        if patched == text and f"CMAKE_CXX_STANDARD {standard}" not in text:
             raise RuntimeError(f"{cmake}: no C++ standard setting to patch; is this Horovod {VERSION}?")
         cmake.write_text(patched)
 
@@ -83,7 +92,7 @@ def build_wheel(gpu: bool) -> Path:
         with tarfile.open(next(tmp.glob("horovod-*.tar.gz"))) as sdist:
             sdist.extractall(tmp, filter="data")
         source = tmp / f"horovod-{VERSION}"
-        patch_cxx_standard(source)
+        patch_cxx_standard(source, torch_cxx_standard())
         if not gpu:
             patch_cpu_only(source)
         if shutil.which("cmake") is None:
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     cached = sorted((CACHE / wheel_tag()).glob("horovod-*.whl"))
     wheel = cached[-1] if cached and not args.force else build_wheel(torch.cuda.is_available())
     _pip("install", "-q", "--no-deps", "--force-reinstall", str(wheel))
-    check = "import horovod.torch as hvd; hvd.init(); print('horovod', hvd.__version__, 'gloo', hvd.gloo_built())"
+    check = "import horovod, horovod.torch as hvd; hvd.init(); print('horovod', horovod.__version__, 'gloo', hvd.gloo_built())"
     subprocess.run([sys.executable, "-c", check], check=True)
     return 0
 

@@ -125,12 +125,18 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
            "layout": layout, "tiles": f"{sh}x{sw}", "precision": precision, "ckpt": ckpt, "rank": rank,
            "backend": "nccl" if real else "fake", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     gen = torch.Generator(device=device).manual_seed(rank)
-    if args.baseline == "1" and (not real or rank == 0):
+    baseline = args.baseline == "1" and (not real or rank == 0)
+
+    def shard_only() -> tuple[float, float]:
         model, opt = build(args, device, ckpt)
         step = train_step(model, opt, lambda: torch.randn(local, device=device, generator=gen), precision, device)
-        row["shard_ms"], row["shard_gib"] = measure(step, device, args.steps, args.warmup)
+        result = measure(step, device, args.steps, args.warmup)
         del model, opt, step
         free(device)
+        return result
+
+    if baseline:
+        row["shard_ms"], row["shard_gib"] = shard_only()
 
     if not real:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -145,7 +151,9 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         shards.append(DimShard(-1, Axis.from_group(mesh.get_group("spatial_w")), width))
     layout_obj = Layout(tuple(shards)) if shards else None
     model, opt = build(args, device, ckpt)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
+    )  # gradients live in the buckets: no second copy of 1.3 GB of gradients
     if not real:  # the fake backend's all-reduce yields no tensor; DDP's hook must hand one back
         ddp.register_comm_hook(None, _completed)
     row["grad_allreduce_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
@@ -154,11 +162,12 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     HaloStats.reset()
     step()
     row["halo_mib_per_step"] = HaloStats.sent_bytes / 2**20
-    if "shard_ms" in row:
-        row["time_ratio"] = row["ours_ms"] / row["shard_ms"]
-        row["mem_ratio"] = row["ours_gib"] / row["shard_gib"] if device.type == "cuda" else float("nan")
     del ddp, model, opt, step
     free(device)
+    if baseline:  # time the baseline again after ours: the ratio uses the faster of its two runs
+        row["shard_ms_after"], _ = shard_only()
+        row["time_ratio"] = row["ours_ms"] / min(row["shard_ms"], row["shard_ms_after"])
+        row["mem_ratio"] = row["ours_gib"] / row["shard_gib"] if device.type == "cuda" else float("nan")
     if not real:
         dist.destroy_process_group()
     return row
@@ -199,7 +208,7 @@ def main() -> None:
         print(f"\n{'config':42} {'shard ms':>9} {'ours ms':>9} {'t ratio':>8} {'shard GiB':>10} {'ours GiB':>9} {'m ratio':>8} {'halo MiB':>9}")
         for r in rows:
             name = f"{r['batch']}x3x{r['height']}x{r['width']} S={r['spatial']} {r['tiles']} {r['precision']}{' ckpt' if r['ckpt'] else ''}"
-            print(f"{name:42} {r.get('shard_ms', float('nan')):9.1f} {r['ours_ms']:9.1f} {r.get('time_ratio', float('nan')):8.3f} "
+            print(f"{name:42} {min(r.get('shard_ms', float('nan')), r.get('shard_ms_after', float('nan'))):9.1f} {r['ours_ms']:9.1f} {r.get('time_ratio', float('nan')):8.3f} "
                   f"{r.get('shard_gib', float('nan')):10.2f} {r['ours_gib']:9.2f} {r.get('mem_ratio', float('nan')):8.3f} "
                   f"{r['halo_mib_per_step']:9.1f}")
     if real:

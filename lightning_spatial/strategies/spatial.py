@@ -71,6 +71,7 @@ class SpatialParallelStrategy(DDPStrategy):
             raise ValueError(f"shard_dim must be one of {SHARD_DIMS}, got {shard_dim!r}")
         if spatial_size is not None:  # validated fully once the world size is known
             SpatialDims.from_strategy_args(_product(spatial_size), spatial_size, shard_dim, 1)
+        ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no second copy of the gradients
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -1,0 +1,129 @@
+"""HorovodStrategy under `horovodrun --gloo -np 2`: same weights as one device and as Lightning's DDP.
+
+Horovod is built by `python -m lightning_spatial.install_horovod`, which .ci/run runs first; CI sets
+LIGHTNING_SPATIAL_REQUIRE_HOROVOD=1 so that a missing build fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_spatial import HorovodStrategy
+from lightning_spatial.strategies.horovod import import_horovod
+from tests.strategy.lit import Images, LitModel, loader
+from tests.strategy.test_equivalence import assert_same_weights
+
+SCRIPT = Path(__file__).with_name("train_script.py")
+HOROVODRUN = Path(sys.executable).with_name("horovodrun")
+
+try:
+    import_horovod()
+    MISSING = None
+except ImportError as err:
+    MISSING = str(err)
+if MISSING and os.environ.get("LIGHTNING_SPATIAL_REQUIRE_HOROVOD") == "1":
+    raise RuntimeError(f"Horovod tests required but Horovod is unusable: {MISSING}")
+needs_horovod = pytest.mark.skipif(MISSING is not None, reason=f"Horovod not built here: {MISSING}")
+
+
+def horovodrun(out: Path, *args: str) -> dict:
+    cmd = [str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, str(SCRIPT),
+           "--out", str(out), *args]
+    env = {**os.environ, "PATH": f"{HOROVODRUN.parent}:{os.environ['PATH']}"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return torch.load(out / "final.pt")
+
+
+def single_device(samples: int, batch: int, accumulate: int = 1) -> LitModel:
+    model = LitModel("convnext_atto")
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulate,
+              ).fit(model, loader(Images(samples, 32, 64), batch))
+    return model
+
+
+def as_model(state: dict) -> LitModel:
+    model = LitModel("convnext_atto")
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.mark.slow
+@needs_horovod
+def test_horovod_matches_single_device_and_ddp(tmp_path):
+    ours = as_model(horovodrun(tmp_path))
+    assert_same_weights(ours, single_device(4, 4))
+    ddp = LitModel("convnext_atto")
+    L.Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", max_epochs=3, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              ).fit(ddp, loader(Images(4, 32, 64), 2))
+    assert_same_weights(ours, ddp)
+    # logged values and torchmetrics are synchronised through Horovod: they equal one device's
+    expected = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False).validate(ours, loader(Images(6, 32, 64, seed=1), 2), verbose=False)[0]
+    metrics = torch.load(tmp_path / "metrics.pt")
+    for key in ("val_loss", "val_acc"):
+        assert abs(float(metrics[key]) - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), (key, metrics[key], expected)
+    # the checkpoint rank 0 wrote under Horovod loads into the plain model
+    checkpoint = torch.load((tmp_path / "checkpoint.txt").read_text(), weights_only=False)
+    plain = LitModel("convnext_atto")
+    plain.load_state_dict(checkpoint["state_dict"])
+    assert_same_weights(plain, ours, tolerance=0)
+
+
+@pytest.mark.slow
+@needs_horovod
+def test_horovod_gradient_accumulation(tmp_path):
+    ours = as_model(horovodrun(tmp_path, "--samples", "8", "--batch", "2", "--accumulate", "2"))
+    assert_same_weights(ours, single_device(8, 4, accumulate=2))
+
+
+@needs_horovod
+def test_started_without_horovodrun_says_how_to_launch(monkeypatch):
+    for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="horovod", logger=False, max_epochs=1)
+    with pytest.raises(RuntimeError, match="without horovodrun: launch with `horovodrun -np N"):
+        trainer.fit(LitModel("segnet"), loader(Images(2, 8, 8), 2))
+
+
+def test_missing_horovod_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "horovod", None)  # import horovod -> ImportError
+    with pytest.raises(ImportError, match="not installed: install it with `python -m lightning_spatial.install_horovod`"):
+        import_horovod()
+
+
+def test_horovod_without_pytorch_support_says_how_to_rebuild(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "horovod", types.ModuleType("horovod"))
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)
+    with pytest.raises(ImportError, match="without PyTorch support .* rebuild it"):
+        import_horovod()
+
+
+def test_strategy_options_are_validated():
+    with pytest.raises(ValueError, match="compression must be 'none' or 'fp16'"):
+        HorovodStrategy(compression="int8")
+
+
+@pytest.mark.slow
+@needs_horovod
+def test_horovod_recipe(tmp_path):
+    cmd = [str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
+           str(SCRIPT.parents[2] / "recipes" / "train.py"), "strategy=horovod", "trainer.devices=1",
+           "data.num_samples=8", "data.val_samples=4", "data.height=32", "data.width=64", "data.batch_size=2",
+           "trainer.max_epochs=1", f"strategy.timeline={tmp_path / 'timeline.json'}", f"hydra.run.dir={tmp_path}"]
+    env = {**os.environ, "PATH": f"{HOROVODRUN.parent}:{os.environ['PATH']}"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.stdout.count("final metrics:") == 2
+    assert (tmp_path / "timeline.json").stat().st_size > 0  # the timeline option reached Horovod

@@ -1,0 +1,46 @@
+"""Run under horovodrun by tests/horovod/test_horovod.py: train convnext_atto with strategy="horovod"."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import lightning_spatial  # noqa: E402,F401 - registers "horovod"
+from tests.strategy.lit import Images, LitModel, loader  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    model = LitModel("convnext_atto")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="horovod", max_epochs=args.epochs, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.out,
+                        accumulate_grad_batches=args.accumulate, num_sanity_val_steps=0)
+    trainer.fit(model, loader(Images(args.samples, 32, 64), args.batch), loader(Images(6, 32, 64, seed=1), 2))
+    if trainer.global_rank == 0:
+        torch.save(model.state_dict(), Path(args.out) / "final.pt")
+        Path(args.out, "checkpoint.txt").write_text(trainer.checkpoint_callback.best_model_path
+                                                    or trainer.checkpoint_callback.last_model_path)
+    # every rank must hold the same weights, and report the same synchronised metrics
+    gathered = trainer.strategy.all_gather(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(gathered[0], gathered[1]), "weights differ between Horovod ranks"
+    metrics = torch.stack([trainer.callback_metrics["val_loss"], trainer.callback_metrics["val_acc"]])
+    gathered = trainer.strategy.all_gather(metrics)
+    assert torch.equal(gathered[0], gathered[1]), f"ranks report different metrics: {gathered.tolist()}"
+    if trainer.global_rank == 0:
+        torch.save({k: v.cpu() for k, v in trainer.callback_metrics.items()}, Path(args.out) / "metrics.pt")
+
+
+if __name__ == "__main__":
+    main()
