@@ -6,10 +6,8 @@ reach us as ``F.pad`` (that is how ``nn.Conv2d`` applies them), handled in ``ops
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
-from ..halo import fetch_window
 from ..layout import conv_out_size, conv_window, partition, transposed_window
 from ..tensor import unwrap, wrap
 from ._common import check_output_size, fetch_windows, ntuple, output_layout, require_replicated, spatial_shards
@@ -45,9 +43,6 @@ def _convolution(nd: int):
         out_sizes = {i: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i]) for i, s in shards.items()}
         for i, s in shards.items():
             check_output_size(op, s, out_sizes[i])
-        if _patchable(x, shards, kernel, stride, lo, hi, dilation, out_sizes, nd):
-            out = _conv_with_border_patches(_CONV[nd], x, weight, bias, stride, lo, dilation, groups, kernel, shards, nd)
-            return wrap(out, layout)
         x = fetch_windows(
             x, shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], lo[i], dilation[i])
         )
@@ -61,35 +56,6 @@ def _convolution(nd: int):
 
     conv.__name__ = op
     return conv
-
-
-def _patchable(x, shards, kernel, stride, lo, hi, dilation, out_sizes, nd) -> bool:
-    """One sharded dim, stride 1, symmetric padding keeping the size, shard at least the kernel's reach."""
-    if len(shards) != 1 or list(lo) != list(hi):
-        return False
-    (i, s), = shards.items()
-    reach = dilation[i] * (kernel[i] - 1)
-    return stride[i] == 1 and lo[i] > 0 and out_sizes[i] == s.size and x.shape[i - nd] >= reach
-
-
-def _conv_with_border_patches(conv, x, weight, bias, stride, pad, dilation, groups, kernel, shards, nd):
-    """A 'same' stride-1 conv along one sharded dim without copying the shard (design-notes §5).
-
-    Convolving the shard with zero padding is exact except for the ``p`` output rows at each border,
-    whose receptive field reaches into the neighbour. Those rows are recomputed from a thin slab (the
-    halo plus the shard's first or last ``reach`` rows) and written over. Only halos move and are copied,
-    and the conv saves the shard itself for backward instead of a widened copy.
-    """
-    (i, s), = shards.items()
-    dim, p, reach = i - nd, pad[i], dilation[i] * (kernel[i] - 1)
-    n = x.shape[dim]
-    out = conv(x, weight, bias, stride, pad, dilation, groups)
-    left = fetch_window(x, s, [(a - p, a) for a, _ in s.bounds])
-    right = fetch_window(x, s, [(b, b + p) for _, b in s.bounds])
-    slab_pad = [0 if j == i else pad[j] for j in range(nd)]
-    out.narrow(dim, 0, p).copy_(conv(torch.cat([left, x.narrow(dim, 0, reach)], dim), weight, bias, stride, slab_pad, dilation, groups))
-    out.narrow(dim, n - p, p).copy_(conv(torch.cat([x.narrow(dim, n - reach, reach), right], dim), weight, bias, stride, slab_pad, dilation, groups))
-    return out
 
 
 def _transposed(nd: int):
