@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +32,15 @@ def test_train_recipe(overrides, tmp_path):
 def test_multirun_sweep(tmp_path):
     out = run("strategy.spatial_size=1,2", tmp_path=tmp_path, flags=("-m",))  # data parallel vs spatial
     assert out.count("final metrics:") == 2
+
+
+def test_benchmark_smoke_on_cpu(tmp_path):
+    """The benchmark script runs end to end at a toy size (fake process group); no timing is asserted."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), "--device", "cpu", "--model", "convnext_atto",
+           "--batch", "1", "--height", "64", "--widths", "256", "--spatial", "2,4", "--layouts", "width,tiles",
+           "--steps", "1", "--warmup", "0", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert [(r["spatial"], r["tiles"]) for r in rows] == [(2, "1x2"), (2, "1x2"), (4, "1x4"), (4, "2x2")]
+    assert all(r["halo_mib_per_step"] > 0 and r["ours_ms"] > 0 for r in rows)
