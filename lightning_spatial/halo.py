@@ -31,7 +31,7 @@ class _Plan:
     local: tuple[Selection, Selection] | None  # (window positions, local rows)
     recvs: tuple[tuple[int, Selection, int], ...]  # (peer index, window positions, count)
     sends: tuple[tuple[int, Selection], ...]  # (peer index, local rows)
-    covered: bool  # every window position is data (no fill)
+    fill: Selection | None  # window positions that read the fill value (padding)
 
 
 def _selection(values: list[int]) -> Selection:
@@ -57,8 +57,9 @@ def _plan(n: int, parts: int, me: int, windows: tuple[tuple[int, int], ...], mod
         return out
 
     mine = pieces(me)
-    length = windows[me][1] - windows[me][0]
-    covered = sum(len(p) for p, _ in mine.values()) == length
+    a, b = windows[me]
+    padding = [pos - a for pos in range(a, b) if source_index(pos, n, mode) < 0]
+    fill = _selection(padding) if padding else None
     local = (_selection(mine[me][0]), _selection(mine[me][1])) if me in mine else None
     recvs = tuple((r, _selection(p), len(p)) for r, (p, _) in sorted(mine.items()) if r != me)
     sends = []
@@ -66,9 +67,9 @@ def _plan(n: int, parts: int, me: int, windows: tuple[tuple[int, int], ...], mod
         theirs = pieces(j) if j != me else {}
         if me in theirs:
             sends.append((j, _selection(theirs[me][1])))
-    if covered and not recvs and not sends and all(isinstance(sel, range) for sel in local):
-        return _Plan(length, local[1], None, (), (), True)
-    return _Plan(length, None, local, recvs, tuple(sends), covered)
+    if fill is None and not recvs and not sends and all(isinstance(sel, range) for sel in local):
+        return _Plan(b - a, local[1], None, (), (), None)
+    return _Plan(b - a, None, local, recvs, tuple(sends), fill)
 
 
 def _p2p(axis, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
@@ -107,7 +108,11 @@ class _FetchWindow(torch.autograd.Function):
         recvs = [(j, x.new_empty(_shape(x, dim, count))) for j, _, count in plan.recvs]
         _count_sent(sends)
         _p2p(shard.axis, sends, recvs)
-        out = x.new_empty(_shape(x, dim, plan.length)) if plan.covered else x.new_full(_shape(x, dim, plan.length), fill)
+        out = x.new_empty(_shape(x, dim, plan.length))
+        if isinstance(plan.fill, range):  # only the padding positions get the fill value
+            _select(out, dim, plan.fill).fill_(fill)
+        elif plan.fill is not None:
+            out.index_fill_(dim, torch.as_tensor(plan.fill, device=out.device), fill)
         if plan.local is not None:
             _put(out, dim, plan.local[0], _select(x, dim, plan.local[1]))
         for (_, pos, _), (_, buf) in zip(plan.recvs, recvs):
@@ -122,9 +127,14 @@ class _FetchWindow(torch.autograd.Function):
         recvs = [(j, grad.new_empty(_shape(grad, dim, _count(rows)))) for j, rows in plan.sends]
         _count_sent(sends)
         _p2p(ctx.axis, sends, recvs)
-        grad_x = grad.new_zeros(ctx.local_shape)
-        if plan.local is not None:
-            _add(grad_x, dim, plan.local[1], _select(grad, dim, plan.local[0]))
+        n = ctx.local_shape[dim]
+        if plan.local is not None and plan.local[1] == range(0, n) and isinstance(plan.local[0], range):
+            # the window holds all our rows in order (a conv halo): one copy instead of zero-fill + add
+            grad_x = _select(grad, dim, plan.local[0]).clone(memory_format=torch.contiguous_format)
+        else:
+            grad_x = grad.new_zeros(ctx.local_shape)
+            if plan.local is not None:
+                _add(grad_x, dim, plan.local[1], _select(grad, dim, plan.local[0]))
         for (_, rows), (_, buf) in zip(plan.sends, recvs):
             _add(grad_x, dim, rows, buf)
         return grad_x, None, None, None, None
