@@ -6,6 +6,7 @@ reach us as ``F.pad`` (that is how ``nn.Conv2d`` applies them), handled in ``ops
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from ..layout import conv_out_size, conv_window, partition, transposed_window
@@ -14,6 +15,15 @@ from ._common import check_output_size, fetch_windows, ntuple, output_layout, re
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """Under autocast, cast before the halo exchange as the conv would after it: halos travel and windows
+    are copied in bf16/fp16 instead of fp32 (the conv then sees its compute dtype and casts nothing)."""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return x.to(dtype) if x.dtype != dtype and x.dtype in (torch.float32, torch.float64) else x
+    return x
 
 
 def _conv_padding(padding, kernel, stride, dilation, nd, op) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -43,6 +53,7 @@ def _convolution(nd: int):
         out_sizes = {i: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i]) for i, s in shards.items()}
         for i, s in shards.items():
             check_output_size(op, s, out_sizes[i])
+        x = autocast_input(x)
         x = fetch_windows(
             x, shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], lo[i], dilation[i])
         )
@@ -79,7 +90,7 @@ def _transposed(nd: int):
         def window(i, a, b):
             return transposed_window(a, b, kernel[i], stride[i], padding[i], dilation[i])
 
-        x = fetch_windows(x, shards, out_sizes, window)
+        x = fetch_windows(autocast_input(x), shards, out_sizes, window)
         local_pad = [0 if i in shards else padding[i] for i in range(nd)]
         local_out_pad = [0 if i in shards else output_padding[i] for i in range(nd)]
         out = _CONV_T[nd](x, weight, None, stride, local_pad, local_out_pad, groups, dilation)

@@ -136,3 +136,23 @@ def _conv_t_case(layout, kernel, stride, padding, output_padding, dilation, grou
 @pytest.mark.parametrize("kernel,stride,padding,output_padding,dilation,groups", CONV_T)
 def test_conv_transpose2d(layout, kernel, stride, padding, output_padding, dilation, groups):
     run_spmd(_conv_t_case, LAYOUTS[layout][0], layout, kernel, stride, padding, output_padding, dilation, groups)
+
+
+def _autocast_case():
+    from lightning_spatial import shard
+    from lightning_spatial.halo import HaloStats
+
+    torch.manual_seed(4)
+    x, w = shard(torch.randn(2, 4, 8, 16), {-1: Axis.from_group()}), torch.randn(4, 1, 7, 7)
+    sent = {}
+    for autocast in (False, True):
+        HaloStats.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = F.conv2d(x, w, padding=3, groups=4)
+        sent[autocast] = HaloStats.sent_bytes
+        assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert sent[True] * 2 == sent[False] > 0  # halos travel in bf16 under autocast
+
+
+def test_halos_travel_in_the_autocast_dtype():
+    run_spmd(_autocast_case, 2)
