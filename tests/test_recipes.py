@@ -44,3 +44,15 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert [(r["spatial"], r["tiles"]) for r in rows] == [(2, "1x2"), (2, "1x2"), (4, "1x4"), (4, "2x2")]
     assert all(r["halo_mib_per_step"] > 0 and r["ours_ms"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_notebook_runs(tmp_path):
+    """Executes the tour notebook's code cells in order (no Jupyter needed), in a fresh interpreter."""
+    cells = json.loads((ROOT / "notebooks" / "tour.ipynb").read_text())["cells"]
+    code = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    script = tmp_path / "tour.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "largest relative weight difference" in done.stdout

@@ -24,6 +24,7 @@ class ImageTask(L.LightningModule):
         num_classes: int = 3,
         lr: float = 1e-3,
         weight_decay: float = 0.05,
+        optimizer: Literal["adamw", "sgd"] = "adamw",
         checkpoint_path: str | None = None,
         grad_checkpointing: bool = False,
     ):
@@ -68,4 +69,7 @@ class ImageTask(L.LightningModule):
         return self(batch["image"])
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        h = self.hparams
+        if h.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=h.lr, momentum=0.9, weight_decay=h.weight_decay)
+        return torch.optim.AdamW(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)

@@ -34,6 +34,7 @@ LOSSES = {
     "mse": lambda p, t, r: F.mse_loss(p[:, 0], t.float() / 100, reduction=r),
     "l1": lambda p, t, r: F.l1_loss(p[:, 1], t.float() / 100, reduction=r),
     "smooth_l1": lambda p, t, r: F.smooth_l1_loss(p[:, 2], t.float() / 100, beta=0.5, reduction=r),
+    "huber": lambda p, t, r: F.huber_loss(p[:, 3], t.float() / 100, delta=0.5, reduction=r),
     "focal": lambda p, t, r: sigmoid_focal_loss(p, F.one_hot(t.clamp(max=3), 4).permute(0, 3, 1, 2).float(), reduction=r),
 }
 

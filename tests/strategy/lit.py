@@ -77,6 +77,10 @@ class LitModel(L.LightningModule):
             self.accuracy(out, batch["label"])
             self.log("val_acc", self.accuracy)
 
+    def test_step(self, batch, batch_idx):
+        loss, _ = self._loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+
     def predict_step(self, batch, batch_idx):
         return self(batch["image"])
 

@@ -53,7 +53,7 @@ def test_batches_are_sharded_and_sampled_per_data_replica(devices):
     trainer(devices, 2, callbacks=[CheckBatches(2, 24)]).fit(model, loader(Images(8, 16, 24), 2))
 
 
-def test_logged_values_and_metrics_match_single_device():
+def test_validation_and_test_loops_log_what_single_device_logs():
     data = Images(8, 32, 64)
     reference, ours = LitModel("convnext_atto"), LitModel("convnext_atto")
     expected = trainer(spatial=None).validate(reference, loader(data, 4), verbose=False)[0]
@@ -61,6 +61,9 @@ def test_logged_values_and_metrics_match_single_device():
     assert set(got) == {"val_loss", "val_acc"}
     for key in expected:
         assert abs(got[key] - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), (key, got[key], expected[key])
+    expected = trainer(spatial=None).test(LitModel("convnext_atto"), loader(data, 4), verbose=False)[0]
+    got = trainer(4, 2).test(LitModel("convnext_atto"), loader(data, 2), verbose=False)[0]
+    assert abs(got["test_loss"] - expected["test_loss"]) <= 1e-5 * max(1.0, abs(expected["test_loss"]))
 
 
 class CheckPredictions(L.Callback):
