@@ -27,14 +27,21 @@ def sync_batch_norm_over(axis) -> None:
     _SYNC_AXIS = axis
 
 
-def _stats(x: torch.Tensor, dims: tuple[int, ...], shards, count: int):
+def _normalize(x: torch.Tensor, dims: tuple[int, ...], shards, count: int, eps: float):
+    """(x - mean) / sqrt(var + eps) over ``dims`` of the global tensor; also returns mean and (biased) var."""
     mean = across(x.sum(dims, keepdim=True), shards) / count
     var = across(((x - mean) ** 2).sum(dims, keepdim=True), shards) / count
-    return mean, var
+    return (x - mean) * torch.rsqrt(var + eps), mean, var
 
 
-def _channel_shape(x: torch.Tensor) -> list[int]:
-    return [1, -1] + [1] * (x.dim() - 2)
+def _affine(out: torch.Tensor, weight, bias) -> torch.Tensor:
+    """Per-channel scale and shift (channel dim 1)."""
+    shape = [1, -1] + [1] * (out.dim() - 2)
+    if weight is not None:
+        out = out * weight.view(shape)
+    if bias is not None:
+        out = out + bias.view(shape)
+    return out
 
 
 def _check_spatial(op: str, x: torch.Tensor, layout) -> list:
@@ -55,12 +62,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         shards, count = [*shards, _SYNC_AXIS], count * _SYNC_AXIS.size
     if count <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(layout.global_shape(x))}")
-    mean, var = _stats(x, dims, shards, count)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if weight is not None:
-        out = out * weight.view(_channel_shape(x))
-    if bias is not None:
-        out = out + bias.view(_channel_shape(x))
+    out, mean, var = _normalize(x, dims, shards, count, eps)
+    out = _affine(out, weight, bias)
     if training and running_mean is not None:
         with torch.no_grad():
             running_mean.mul_(1 - momentum).add_(mean.flatten(), alpha=momentum)
@@ -75,13 +78,8 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     grouped = x.reshape(n, num_groups, c // num_groups, *x.shape[2:])  # sharded dims keep their negative index
     dims = tuple(range(-(grouped.dim() - 2), 0))
     count = (c // num_groups) * math.prod(layout.global_shape(x)[2:])
-    mean, var = _stats(grouped, dims, shards, count)
-    out = ((grouped - mean) * torch.rsqrt(var + eps)).reshape(x.shape)
-    if weight is not None:
-        out = out * weight.view(_channel_shape(x))
-    if bias is not None:
-        out = out + bias.view(_channel_shape(x))
-    return wrap(out, layout)
+    out, _, _ = _normalize(grouped, dims, shards, count, eps)
+    return wrap(_affine(out.reshape(x.shape), weight, bias), layout)
 
 
 def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
@@ -92,12 +90,8 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         return wrap(F.instance_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(range(-(x.dim() - 2), 0))
     count = math.prod(layout.global_shape(x)[2:])
-    mean, var = _stats(x, dims, shards, count)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if weight is not None:
-        out = out * weight.view(_channel_shape(x))
-    if bias is not None:
-        out = out + bias.view(_channel_shape(x))
+    out, mean, var = _normalize(x, dims, shards, count, eps)
+    out = _affine(out, weight, bias)
     if running_mean is not None:
         with torch.no_grad():
             running_mean.mul_(1 - momentum).add_(mean.flatten(2).mean((0, 2)), alpha=momentum)
@@ -114,8 +108,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     if not shards:  # over channels only (ConvNeXt's LayerNorm2d): local
         return wrap(F.layer_norm(x, x.shape[-k:], weight, bias, eps), layout)
     count = math.prod(layout.global_shape(x)[-k:])
-    mean, var = _stats(x, dims, shards, count)
-    out = (x - mean) * torch.rsqrt(var + eps)
+    out, _, _ = _normalize(x, dims, shards, count, eps)
     slices = layout.local_slices(x.dim())[-k:]  # affine parameters cover the global dims: take our rows
     if weight is not None:
         out = out * weight[slices]

@@ -46,6 +46,15 @@ def across(x: torch.Tensor, shards: list, op=SUM) -> torch.Tensor:
     return x
 
 
+def _operands(input, dim, dtype=None):
+    """(local shard, layout, reduced dims, shards among them) for a reduction over ``dim``."""
+    x, layout = unwrap(input)
+    if dtype is not None:
+        x = x.to(dtype)
+    dims = normalize_dims(dim, x.dim())
+    return x, layout, dims, [s for s in layout.shards if s.dim in dims]
+
+
 def _detached_max(x: torch.Tensor, dims, shards) -> torch.Tensor:
     m = x.detach().amax(dims, keepdim=True)
     for s in shards:
@@ -70,9 +79,7 @@ def _reduction(kind: str):
     def reduce(input, dim=None, keepdim=False, *, dtype=None, out=None):
         if out is not None:
             raise ValueError(f"{kind}: out= is not supported on sharded tensors")
-        x, layout = unwrap(input)
-        dims = normalize_dims(dim, x.dim())
-        shards = [s for s in layout.shards if s.dim in dims]
+        x, layout, dims, shards = _operands(input, dim)
         if not shards:  # only unsharded dims: torch's own op on the shard
             return wrap(getattr(torch, kind)(x, dims, keepdim, **({"dtype": dtype} if dtype else {})),
                         reduced_layout(layout, dims, keepdim))
@@ -95,9 +102,7 @@ def _moments(kind: str):
     def moment(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
         if isinstance(unbiased, (int, tuple, list)) and not isinstance(unbiased, bool):
             dim, unbiased = unbiased, None  # torch.var(x, dims) with dims positional after dim=None form
-        x, layout = unwrap(input)
-        dims = normalize_dims(dim, x.dim())
-        shards = [s for s in layout.shards if s.dim in dims]
+        x, layout, dims, shards = _operands(input, dim)
         correction = correction if correction is not None else (0 if unbiased is False else 1)
         if not shards:
             local = getattr(torch, kind)(x, dims, correction=correction, keepdim=keepdim)
@@ -113,11 +118,7 @@ def _moments(kind: str):
 
 
 def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
-    x, layout = unwrap(input)
-    if dtype is not None:
-        x = x.to(dtype)
-    dims = normalize_dims(dim, x.dim())
-    shards = [s for s in layout.shards if s.dim in dims]
+    x, layout, dims, shards = _operands(input, dim, dtype)
     if not shards:
         return wrap(torch.linalg.vector_norm(x, ord, dims, keepdim), reduced_layout(layout, dims, keepdim))
     if ord == math.inf:
@@ -142,9 +143,7 @@ def norm(input, p="fro", dim=None, keepdim=False, dtype=None):
 
 
 def logsumexp(input, dim, keepdim=False):
-    x, layout = unwrap(input)
-    dims = normalize_dims(dim, x.dim())
-    shards = [s for s in layout.shards if s.dim in dims]
+    x, layout, dims, shards = _operands(input, dim)
     if not shards:
         return wrap(torch.logsumexp(x, dims, keepdim), reduced_layout(layout, dims, keepdim))
     m = _detached_max(x, dims, shards)
@@ -154,11 +153,7 @@ def logsumexp(input, dim, keepdim=False):
 
 def _softmax(log: bool):
     def softmax(input, dim=None, _stacklevel=3, dtype=None):
-        x, layout = unwrap(input)
-        if dtype is not None:
-            x = x.to(dtype)
-        dims = normalize_dims(dim, x.dim())
-        shards = [s for s in layout.shards if s.dim in dims]
+        x, layout, dims, shards = _operands(input, dim, dtype)
         if not shards:
             return wrap((torch.log_softmax if log else torch.softmax)(x, dim), layout)
         m = _detached_max(x, dims, shards)
