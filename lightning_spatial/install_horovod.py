@@ -6,8 +6,9 @@
 Horovod's last release compiles as C++14 while torch's headers need C++17 (torch 2.1-2.13) or C++20
 (torch 2.14), and its bundled gloo stops
 at CMake 4's ``cmake_minimum_required`` check; on a machine without GPUs, a CUDA build of torch makes it
-compile CUDA paths it cannot link. We take the sdist from the package registry, switch the
-C++ standard to torch's (and, without GPUs, build the CPU extension), build a wheel without build isolation (against the installed torch) and cache it under
+compile CUDA paths it cannot link. We take the sdist from the package registry, switch the C++ standard
+to torch's (and, without GPUs, build the CPU extension), build a wheel without build isolation (against
+the installed torch) and cache it under
 ``~/.cache/lightning_spatial/wheels`` keyed by Python, torch and GPU support, so repeat installs are fast.
 """
 
@@ -34,16 +35,18 @@ def _pip(*args: str) -> None:
 
 def build_env(gpu: bool) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "HOROVOD_WITH_PYTORCH": "1",
-        "HOROVOD_WITHOUT_TENSORFLOW": "1",
-        "HOROVOD_WITHOUT_MXNET": "1",
-        "HOROVOD_WITH_GLOO": "1",
-        "HOROVOD_WITHOUT_MPI": "1",
-        "HOROVOD_CPU_OPERATIONS": "GLOO",
-        "CMAKE_POLICY_VERSION_MINIMUM": "3.5",
-        "MAKEFLAGS": f"-j{os.cpu_count() or 2}",
-    })
+    env.update(
+        {
+            "HOROVOD_WITH_PYTORCH": "1",
+            "HOROVOD_WITHOUT_TENSORFLOW": "1",
+            "HOROVOD_WITHOUT_MXNET": "1",
+            "HOROVOD_WITH_GLOO": "1",
+            "HOROVOD_WITHOUT_MPI": "1",
+            "HOROVOD_CPU_OPERATIONS": "GLOO",
+            "CMAKE_POLICY_VERSION_MINIMUM": "3.5",
+            "MAKEFLAGS": f"-j{os.cpu_count() or 2}",
+        }
+    )
     if gpu:
         env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
     return env
@@ -97,8 +100,21 @@ def build_wheel(gpu: bool) -> Path:
             patch_cpu_only(source)
         if shutil.which("cmake") is None:
             _pip("install", "cmake")
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w",
-                        str(tmp / "dist"), str(source)], check=True, env=build_env(gpu))
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-build-isolation",
+                "--no-deps",
+                "-w",
+                str(tmp / "dist"),
+                str(source),
+            ],
+            check=True,
+            env=build_env(gpu),
+        )
         target.mkdir(parents=True, exist_ok=True)
         wheel = next((tmp / "dist").glob("horovod-*.whl"))
         shutil.copy(wheel, target / wheel.name)
@@ -115,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     cached = sorted((CACHE / wheel_tag()).glob("horovod-*.whl"))
     wheel = cached[-1] if cached and not args.force else build_wheel(torch.cuda.is_available())
     _pip("install", "-q", "--no-deps", "--force-reinstall", str(wheel))
-    check = "import horovod, horovod.torch as hvd; hvd.init(); print('horovod', horovod.__version__, 'gloo', hvd.gloo_built())"
+    check = "import horovod, horovod.torch as hvd; hvd.init(); print('horovod', horovod.__version__, hvd.gloo_built())"
     subprocess.run([sys.executable, "-c", check], check=True)
     return 0
 

@@ -43,9 +43,7 @@ def conv_window(lo: int, hi: int, kernel: int, stride: int, pad_lo: int, dilatio
     return lo * stride - pad_lo, (hi - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
 
 
-def transposed_window(
-    lo: int, hi: int, kernel: int, stride: int, padding: int, dilation: int = 1
-) -> tuple[int, int]:
+def transposed_window(lo: int, hi: int, kernel: int, stride: int, padding: int, dilation: int = 1) -> tuple[int, int]:
     """Input rows ``[a, b)`` whose transposed conv (padding 0) covers output rows ``[lo, hi)``.
 
     Input row ``i`` writes output rows ``i*stride - padding + j*dilation``. The window starts at the first

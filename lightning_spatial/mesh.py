@@ -31,8 +31,9 @@ class SpatialDims:
             )
 
     @classmethod
-    def from_strategy_args(cls, world_size: int, spatial_size: int | tuple[int, int] | None, shard_dim: str,
-                           default: int) -> SpatialDims:
+    def from_strategy_args(
+        cls, world_size: int, spatial_size: int | tuple[int, int] | None, shard_dim: str, default: int
+    ) -> SpatialDims:
         """``spatial_size`` int (along ``shard_dim``), (h, w) tiles, or None for ``default`` ranks."""
         if shard_dim not in SHARD_DIMS:
             raise ValueError(f"shard_dim must be one of {SHARD_DIMS}, got {shard_dim!r}")

@@ -45,8 +45,10 @@ def shard_batch(batch: Any, axes: dict[int, Axis], select: Select | None = None)
         def select(path: str, t: torch.Tensor) -> bool:
             return t.dim() >= 3 and tuple(t.shape[-2:]) == size
 
-    out = [_compact_shard(leaf, axes) if isinstance(leaf, torch.Tensor) and select(path, leaf) else leaf
-           for path, leaf in leaves]
+    out = [
+        _compact_shard(leaf, axes) if isinstance(leaf, torch.Tensor) and select(path, leaf) else leaf
+        for path, leaf in leaves
+    ]
     return tree_unflatten(out, spec)
 
 

@@ -59,7 +59,9 @@ class Axis:
         try:
             return _GROUPS[self.ranks]
         except KeyError:
-            raise RuntimeError(f"no process group for ranks {self.ranks} in this process; build it with Axis.from_group") from None
+            raise RuntimeError(
+                f"no process group for ranks {self.ranks} in this process; build it with Axis.from_group"
+            ) from None
 
     @property
     def size(self) -> int:
@@ -116,7 +118,9 @@ class Layout:
 
     def with_sizes(self, sizes: Mapping[int, int]) -> Layout | None:
         """Same axes with new global sizes; a size of ``None`` drops that dim's sharding (replicated)."""
-        shards = [DimShard(s.dim, s.axis, sizes.get(s.dim, s.size)) for s in self.shards if sizes.get(s.dim, 0) is not None]
+        shards = [
+            DimShard(s.dim, s.axis, sizes.get(s.dim, s.size)) for s in self.shards if sizes.get(s.dim, 0) is not None
+        ]
         return Layout(tuple(shards)) if shards else None
 
     def local_slices(self, ndim: int) -> tuple[slice, ...]:
@@ -302,8 +306,10 @@ def _name(func: Callable) -> str:
 
 def _is_inplace(func: Callable) -> bool:
     name = getattr(func, "__name__", "")
-    return name == "__setitem__" or (name.startswith("__i") and name.endswith("__")) or (
-        name.endswith("_") and not name.endswith("__")
+    return (
+        name == "__setitem__"
+        or (name.startswith("__i") and name.endswith("__"))
+        or (name.endswith("_") and not name.endswith("__"))
     )
 
 
@@ -335,8 +341,27 @@ _DUNDERS = [
 ] + ["__neg__", "__pos__", "__abs__", "__invert__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"]
 
 _ACTIVATIONS = [
-    "relu", "relu_", "relu6", "gelu", "silu", "mish", "hardswish", "hardsigmoid", "hardtanh", "leaky_relu", "elu",
-    "selu", "celu", "sigmoid", "tanh", "softplus", "softsign", "tanhshrink", "threshold", "logsigmoid", "glu_",
+    "relu",
+    "relu_",
+    "relu6",
+    "gelu",
+    "silu",
+    "mish",
+    "hardswish",
+    "hardsigmoid",
+    "hardtanh",
+    "leaky_relu",
+    "elu",
+    "selu",
+    "celu",
+    "sigmoid",
+    "tanh",
+    "softplus",
+    "softsign",
+    "tanhshrink",
+    "threshold",
+    "logsigmoid",
+    "glu_",
 ]
 
 POINTWISE: frozenset[Callable] = frozenset(
@@ -350,12 +375,39 @@ POINTWISE: frozenset[Callable] = frozenset(
 # Results keep the operand's layout although aten does not tag these pointwise.
 _LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
     _functions(
-        ["clone", "contiguous", "detach", "detach_", "to", "type", "type_as", "float", "double", "half",
-         "bfloat16", "cpu", "cuda", "pin_memory", "zero_", "fill_", "requires_grad_", "zeros_like", "ones_like",
-         "full_like", "empty_like", "where", "masked_fill", "masked_fill_", "clamp", "clamp_", "lerp"],
+        [
+            "clone",
+            "contiguous",
+            "detach",
+            "detach_",
+            "to",
+            "type",
+            "type_as",
+            "float",
+            "double",
+            "half",
+            "bfloat16",
+            "cpu",
+            "cuda",
+            "pin_memory",
+            "zero_",
+            "fill_",
+            "requires_grad_",
+            "zeros_like",
+            "ones_like",
+            "full_like",
+            "empty_like",
+            "where",
+            "masked_fill",
+            "masked_fill_",
+            "clamp",
+            "clamp_",
+            "lerp",
+        ],
         (torch, torch.Tensor),
     )
 )
+
 
 def _global_size(x: SpatialTensor, dim: int | None = None):
     shape = x._layout.global_shape(x.to_local().shape)
@@ -380,10 +432,31 @@ _LOCAL: frozenset[Callable] = frozenset(
         {getattr(torch.Tensor, n).__get__ for n in _DESCRIPTORS}
         | {getattr(torch.Tensor, n).__set__ for n in _DESCRIPTORS}
         | _functions(
-            ["dim", "ndimension", "stride", "is_contiguous", "data_ptr", "element_size", "storage_offset",
-             "untyped_storage", "get_device", "is_floating_point", "is_complex", "backward", "register_hook",
-             "retain_grad", "__reduce_ex__", "__setstate__", "_is_view", "is_pinned", "new_empty", "new_zeros",
-             "new_ones", "new_full", "new_tensor"],
+            [
+                "dim",
+                "ndimension",
+                "stride",
+                "is_contiguous",
+                "data_ptr",
+                "element_size",
+                "storage_offset",
+                "untyped_storage",
+                "get_device",
+                "is_floating_point",
+                "is_complex",
+                "backward",
+                "register_hook",
+                "retain_grad",
+                "__reduce_ex__",
+                "__setstate__",
+                "_is_view",
+                "is_pinned",
+                "new_empty",
+                "new_zeros",
+                "new_ones",
+                "new_full",
+                "new_tensor",
+            ],
             (torch.Tensor,),
         )
     )
@@ -391,4 +464,15 @@ _LOCAL: frozenset[Callable] = frozenset(
 )
 
 
-__all__ = ["Axis", "DimShard", "Layout", "LayoutError", "SpatialTensor", "gather", "localize", "shard", "unwrap", "wrap"]
+__all__ = [
+    "Axis",
+    "DimShard",
+    "Layout",
+    "LayoutError",
+    "SpatialTensor",
+    "gather",
+    "localize",
+    "shard",
+    "unwrap",
+    "wrap",
+]

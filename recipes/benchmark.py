@@ -13,7 +13,8 @@ For each configuration it times, in the same process: the plain model on one ran
 ("shard-only": the ideal, no halo, no communication) and our spatial step on that rank (forward,
 backward, AdamW). Ratios ours/shard-only are the numbers that matter. CPU smoke run (CI):
 
-    python recipes/benchmark.py --device cpu --model convnext_atto --batch 1 --height 32 --widths 64 --spatial 2 --steps 1 --warmup 0
+    python recipes/benchmark.py --device cpu --model convnext_atto --batch 1 --height 64 --widths 256 \\
+        --spatial 2 --steps 1 --warmup 0
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from lightning_spatial import Axis, SpatialDims
 from lightning_spatial.halo import HaloStats
 from lightning_spatial.layout import partition
-from lightning_spatial.tensor import Layout, DimShard, wrap
+from lightning_spatial.tensor import DimShard, Layout, wrap
 
 GIB = 2**30
 
@@ -121,9 +122,20 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     ih, iw = divmod(rank % s, sw)
     (h0, h1), (w0, w1) = partition(args.height, sh)[ih], partition(width, sw)[iw]
     local = (args.batch, 3, h1 - h0, w1 - w0)
-    row = {"model": args.model, "batch": args.batch, "height": args.height, "width": width, "spatial": s,
-           "layout": layout, "tiles": f"{sh}x{sw}", "precision": precision, "ckpt": ckpt, "rank": rank,
-           "backend": "nccl" if real else "fake", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    row = {
+        "model": args.model,
+        "batch": args.batch,
+        "height": args.height,
+        "width": width,
+        "spatial": s,
+        "layout": layout,
+        "tiles": f"{sh}x{sw}",
+        "precision": precision,
+        "ckpt": ckpt,
+        "rank": rank,
+        "backend": "nccl" if real else "fake",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
     gen = torch.Generator(device=device).manual_seed(rank)
     baseline = args.baseline == "1" and (not real or rank == 0)
 
@@ -157,7 +169,9 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     if not real:  # the fake backend's all-reduce yields no tensor; DDP's hook must hand one back
         ddp.register_comm_hook(None, _completed)
     row["grad_allreduce_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    step = train_step(ddp, opt, lambda: wrap(torch.randn(local, device=device, generator=gen), layout_obj), precision, device)
+    step = train_step(
+        ddp, opt, lambda: wrap(torch.randn(local, device=device, generator=gen), layout_obj), precision, device
+    )
     row["ours_ms"], row["ours_gib"] = measure(step, device, args.steps, args.warmup)
     HaloStats.reset()
     step()
@@ -171,6 +185,29 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     if not real:
         dist.destroy_process_group()
     return row
+
+
+COLUMNS = [
+    ("shard ms", "shard_ms", 9, 1),
+    ("ours ms", "ours_ms", 9, 1),
+    ("t ratio", "time_ratio", 8, 3),
+    ("shard GiB", "shard_gib", 10, 2),
+    ("ours GiB", "ours_gib", 9, 2),
+    ("m ratio", "mem_ratio", 8, 3),
+    ("halo MiB", "halo_mib_per_step", 9, 1),
+]
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'config':42}" + "".join(f" {title:>{width}}" for title, _, width, _ in COLUMNS))
+    for r in rows:
+        r = {**r, "shard_ms": min(r.get("shard_ms", float("nan")), r.get("shard_ms_after", float("nan")))}
+        name = f"{r['batch']}x3x{r['height']}x{r['width']} S={r['spatial']} {r['tiles']} {r['precision']}"
+        name += " ckpt" if r["ckpt"] else ""
+        print(
+            f"{name:42}"
+            + "".join(f" {r.get(key, float('nan')):{width}.{digits}f}" for _, key, width, digits in COLUMNS)
+        )
 
 
 def _completed(state, bucket):
@@ -192,8 +229,14 @@ def main() -> None:
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
     rows = []
-    grid = [(w, int(s), lay, prec, ck == "1") for w in args.widths.split(",") for s in args.spatial.split(",")
-            for lay in args.layouts.split(",") for prec in args.precisions.split(",") for ck in args.ckpt.split(",")]
+    grid = [
+        (w, int(s), lay, prec, ck == "1")
+        for w in args.widths.split(",")
+        for s in args.spatial.split(",")
+        for lay in args.layouts.split(",")
+        for prec in args.precisions.split(",")
+        for ck in args.ckpt.split(",")
+    ]
     for width, s, layout, precision, ckpt in grid:
         if real and s != dist.get_world_size():
             continue
@@ -205,12 +248,7 @@ def main() -> None:
         with open(os.path.join(args.out, "bench.jsonl"), "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-        print(f"\n{'config':42} {'shard ms':>9} {'ours ms':>9} {'t ratio':>8} {'shard GiB':>10} {'ours GiB':>9} {'m ratio':>8} {'halo MiB':>9}")
-        for r in rows:
-            name = f"{r['batch']}x3x{r['height']}x{r['width']} S={r['spatial']} {r['tiles']} {r['precision']}{' ckpt' if r['ckpt'] else ''}"
-            print(f"{name:42} {min(r.get('shard_ms', float('nan')), r.get('shard_ms_after', float('nan'))):9.1f} {r['ours_ms']:9.1f} {r.get('time_ratio', float('nan')):8.3f} "
-                  f"{r.get('shard_gib', float('nan')):10.2f} {r['ours_gib']:9.2f} {r.get('mem_ratio', float('nan')):8.3f} "
-                  f"{r['halo_mib_per_step']:9.1f}")
+        print_table(rows)
     if real:
         dist.destroy_process_group()
 

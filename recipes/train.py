@@ -1,9 +1,9 @@
 """Train a timm backbone with spatial parallelism, configured by Hydra (conf/train.yaml).
 
-    python recipes/train.py                                   # 2 CPU ranks, width-sharded, a few minutes
-    python recipes/train.py model=resnet18_seg                # dense segmentation, sharded logits and loss
-    python recipes/train.py strategy=single trainer.devices=1 # the single-device baseline
-    python recipes/train.py -m strategy.spatial_size=1,2 model=convnext_atto,resnet18_seg
+python recipes/train.py                                   # 2 CPU ranks, width-sharded, a few minutes
+python recipes/train.py model=resnet18_seg                # dense segmentation, sharded logits and loss
+python recipes/train.py strategy=single trainer.devices=1 # the single-device baseline
+python recipes/train.py -m strategy.spatial_size=1,2 model=convnext_atto,resnet18_seg
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
+import socket
+
+import pytest
 import torch
 
 # Forked ranks must not inherit a busy intra-op thread pool; tiny tensors need no threads anyway.
 torch.set_num_threads(1)
-
-
-import socket
-
-import pytest
 
 
 @pytest.fixture(autouse=True)

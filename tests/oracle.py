@@ -26,7 +26,11 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
 
 
 def check(
-    op: Callable, inputs: Sequence[torch.Tensor], sharded: Sequence[int], axes: dict, seed: int = 0,
+    op: Callable,
+    inputs: Sequence[torch.Tensor],
+    sharded: Sequence[int],
+    axes: dict,
+    seed: int = 0,
     allow_fallback: bool = False,
 ) -> None:
     """Compare ``op`` on shards of ``inputs[i]`` (i in ``sharded``) with ``op`` on the full tensors.

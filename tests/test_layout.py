@@ -25,8 +25,14 @@ def test_partition_is_tensor_split(n, parts):
     assert list(partition(n, parts)) == expected
 
 
-CONV_CASES = [c for c in itertools.product([9, 16], [1, 3, 4, 7], [1, 2, 3], [0, 1, 3], [1, 2]) if conv_out_size(c[0], c[1], c[2], c[3], c[3], c[4]) >= 1]
-POOL_CASES = [c for c in itertools.product([7, 10], [2, 3], [1, 2, 3], [0, 1], [1, 2], [False, True]) if c[3] <= c[1] // 2]
+CONV_CASES = [
+    c
+    for c in itertools.product([9, 16], [1, 3, 4, 7], [1, 2, 3], [0, 1, 3], [1, 2])
+    if conv_out_size(c[0], c[1], c[2], c[3], c[3], c[4]) >= 1
+]
+POOL_CASES = [
+    c for c in itertools.product([7, 10], [2, 3], [1, 2, 3], [0, 1], [1, 2], [False, True]) if c[3] <= c[1] // 2
+]
 
 
 @pytest.mark.parametrize("n,k,s,p,d", CONV_CASES)
@@ -38,20 +44,22 @@ def test_conv_window_reproduces_every_output_row(n, k, s, p, d):
     padded = F.pad(x, (p, p + s * k * d))
     for lo, hi in partition(full.shape[-1], min(3, full.shape[-1])):
         a, b = conv_window(lo, hi, k, s, p, d)
-        part = F.conv1d(padded[..., a + p:b + p], w, stride=s, dilation=d)
+        part = F.conv1d(padded[..., a + p : b + p], w, stride=s, dilation=d)
         torch.testing.assert_close(part, full[..., lo:hi], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("n,k,s,p,d,op", [(7, 3, 2, 1, 1, 1), (5, 1, 2, 0, 1, 1), (6, 2, 3, 0, 1, 2), (8, 4, 2, 1, 1, 0), (5, 3, 2, 2, 2, 1)])
+@pytest.mark.parametrize(
+    "n,k,s,p,d,op", [(7, 3, 2, 1, 1, 1), (5, 1, 2, 0, 1, 1), (6, 2, 3, 0, 1, 2), (8, 4, 2, 1, 1, 0), (5, 3, 2, 2, 2, 1)]
+)
 def test_transposed_window_covers_its_rows(n, k, s, p, d, op):
     x, w = torch.randn(1, 1, n, dtype=torch.float64), torch.randn(1, 1, k, dtype=torch.float64)
     full = F.conv_transpose1d(x, w, stride=s, padding=p, output_padding=op, dilation=d)
     padded = F.pad(x, (3 * n, 3 * n))
     for lo, hi in partition(full.shape[-1], 3):
         a, b = transposed_window(lo, hi, k, s, p, d)
-        part = F.conv_transpose1d(padded[..., a + 3 * n:b + 3 * n], w, stride=s, dilation=d)
+        part = F.conv_transpose1d(padded[..., a + 3 * n : b + 3 * n], w, stride=s, dilation=d)
         first = a * s - p
-        torch.testing.assert_close(part[..., lo - first:hi - first], full[..., lo:hi], rtol=0, atol=1e-12)
+        torch.testing.assert_close(part[..., lo - first : hi - first], full[..., lo:hi], rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("n,k,s,p,d,ceil", POOL_CASES)

@@ -10,13 +10,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOY = ["data.num_samples=8", "data.val_samples=4", "data.height=32", "data.width=64", "data.batch_size=4",
-       "trainer.max_epochs=1"]
+TOY = [
+    "data.num_samples=8",
+    "data.val_samples=4",
+    "data.height=32",
+    "data.width=64",
+    "data.batch_size=4",
+    "trainer.max_epochs=1",
+]
 
 
 def run(*overrides: str, tmp_path: Path, flags: tuple[str, ...] = ()) -> str:
-    cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), *flags, *TOY, f"hydra.run.dir={tmp_path}",
-           f"hydra.sweep.dir={tmp_path}", *overrides]
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "train.py"),
+        *flags,
+        *TOY,
+        f"hydra.run.dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}",
+        *overrides,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
@@ -36,9 +49,30 @@ def test_multirun_sweep(tmp_path):
 
 def test_benchmark_smoke_on_cpu(tmp_path):
     """The benchmark script runs end to end at a toy size (fake process group); no timing is asserted."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), "--device", "cpu", "--model", "convnext_atto",
-           "--batch", "1", "--height", "64", "--widths", "256", "--spatial", "2,4", "--layouts", "width,tiles",
-           "--steps", "1", "--warmup", "0", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "benchmark.py"),
+        "--device",
+        "cpu",
+        "--model",
+        "convnext_atto",
+        "--batch",
+        "1",
+        "--height",
+        "64",
+        "--widths",
+        "256",
+        "--spatial",
+        "2,4",
+        "--layouts",
+        "width,tiles",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        str(tmp_path),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]

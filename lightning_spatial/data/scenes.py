@@ -29,7 +29,7 @@ class Scenes(Dataset):
             w = int(torch.randint(self.width // 16, self.width // 4 + 1, (1,), generator=g))
             top = int(torch.randint(0, self.height - h + 1, (1,), generator=g))
             left = int(torch.randint(0, self.width - w + 1, (1,), generator=g))
-            mask[top:top + h, left:left + w] = int(torch.randint(1, len(COLOURS), (1,), generator=g))
+            mask[top : top + h, left : left + w] = int(torch.randint(1, len(COLOURS), (1,), generator=g))
         image = COLOURS[mask].permute(2, 0, 1) + 0.5 * torch.randn(3, self.height, self.width, generator=g)
         counts = torch.bincount(mask.flatten(), minlength=len(COLOURS))[1:]
         return {"image": image, "label": counts.argmax(), "mask": mask}
@@ -38,17 +38,29 @@ class Scenes(Dataset):
 class SyntheticScenes(L.LightningDataModule):
     """Train/val splits of ``Scenes``; ``num_classes`` is 3 for labels and 4 (with background) for masks."""
 
-    def __init__(self, num_samples: int = 64, height: int = 64, width: int = 256, batch_size: int = 8,
-                 num_workers: int = 0, val_samples: int = 16):
+    def __init__(
+        self,
+        num_samples: int = 64,
+        height: int = 64,
+        width: int = 256,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        val_samples: int = 16,
+    ):
         super().__init__()
         self.save_hyperparameters()
 
     def train_dataloader(self) -> DataLoader:
         h = self.hparams
-        return DataLoader(Scenes(h.num_samples, h.height, h.width, seed=0), batch_size=h.batch_size,
-                          shuffle=True, num_workers=h.num_workers)
+        return DataLoader(
+            Scenes(h.num_samples, h.height, h.width, seed=0),
+            batch_size=h.batch_size,
+            shuffle=True,
+            num_workers=h.num_workers,
+        )
 
     def val_dataloader(self) -> DataLoader:
         h = self.hparams
-        return DataLoader(Scenes(h.val_samples, h.height, h.width, seed=1), batch_size=h.batch_size,
-                          num_workers=h.num_workers)
+        return DataLoader(
+            Scenes(h.val_samples, h.height, h.width, seed=1), batch_size=h.batch_size, num_workers=h.num_workers
+        )

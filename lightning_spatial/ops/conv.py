@@ -50,7 +50,9 @@ def _convolution(nd: int):
         stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
         lo, hi = _conv_padding(padding, kernel, stride, dilation, nd, op)
         shards = spatial_shards(op, x, layout, nd)
-        out_sizes = {i: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i]) for i, s in shards.items()}
+        out_sizes = {
+            i: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i]) for i, s in shards.items()
+        }
         for i, s in shards.items():
             check_output_size(op, s, out_sizes[i])
         x = autocast_input(x)

@@ -65,8 +65,16 @@ _ELEMENTWISE_WEIGHTS = {
     F.binary_cross_entropy_with_logits: ("weight", "pos_weight"),
 }
 
-LOSSES = (F.cross_entropy, F.nll_loss, F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.mse_loss,
-          F.l1_loss, F.smooth_l1_loss, F.huber_loss)
+LOSSES = (
+    F.cross_entropy,
+    F.nll_loss,
+    F.binary_cross_entropy,
+    F.binary_cross_entropy_with_logits,
+    F.mse_loss,
+    F.l1_loss,
+    F.smooth_l1_loss,
+    F.huber_loss,
+)
 
 HANDLERS = {fn: _loss(fn) for fn in LOSSES}
 

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from ..tensor import LayoutError, unwrap, wrap
 from .reduce import across
 
-
 _SYNC_AXIS = None  # the data axis while the strategy runs SyncBatchNorm
 
 
@@ -47,7 +46,9 @@ def _affine(out: torch.Tensor, weight, bias) -> torch.Tensor:
 def _check_spatial(op: str, x: torch.Tensor, layout) -> list:
     for s in layout.shards:
         if x.dim() + s.dim < 2:
-            raise LayoutError(f"{op}: dim {s.dim} of a {x.dim()}-d input is sharded; shard only spatial dims (2 and up)")
+            raise LayoutError(
+                f"{op}: dim {s.dim} of a {x.dim()}-d input is sharded; shard only spatial dims (2 and up)"
+            )
     return list(layout.shards)
 
 
@@ -61,7 +62,9 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if _SYNC_AXIS is not None:
         shards, count = [*shards, _SYNC_AXIS], count * _SYNC_AXIS.size
     if count <= 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(layout.global_shape(x))}")
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {tuple(layout.global_shape(x))}"
+        )
     out, mean, var = _normalize(x, dims, shards, count, eps)
     out = _affine(out, weight, bias)
     if training and running_mean is not None:
@@ -82,8 +85,9 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     return wrap(_affine(out.reshape(x.shape), weight, bias), layout)
 
 
-def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
-                  momentum=0.1, eps=1e-5):
+def instance_norm(
+    input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True, momentum=0.1, eps=1e-5
+):
     x, layout = unwrap(input)
     shards = _check_spatial("instance_norm", x, layout)
     if not use_input_stats:

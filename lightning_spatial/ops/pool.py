@@ -61,7 +61,10 @@ def _max_pool(nd: int):
         padding, dilation = ntuple(padding, nd, "padding"), ntuple(dilation, nd, "dilation")
         shards = spatial_shards(op, x, layout, nd)
         _check_pad(op, [kernel[i] for i in shards], [padding[i] for i in shards])
-        out_sizes = {i: pool_out_size(s.size, kernel[i], stride[i], padding[i], dilation[i], ceil_mode) for i, s in shards.items()}
+        out_sizes = {
+            i: pool_out_size(s.size, kernel[i], stride[i], padding[i], dilation[i], ceil_mode)
+            for i, s in shards.items()
+        }
         for i, s in shards.items():
             check_output_size(op, s, out_sizes[i])
 
@@ -98,7 +101,9 @@ def _divisor(n: int, lo: int, hi: int, kernel: int, stride: int, padding: int, i
 def _avg_pool(nd: int):
     op = f"avg_pool{nd}d"
 
-    def avg_pool(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    def avg_pool(
+        input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None
+    ):
         x, layout = unwrap(input)
         kernel = ntuple(kernel_size, nd, "kernel_size")
         stride = ntuple(stride if stride not in (None, [], ()) else kernel_size, nd, "stride")
@@ -106,13 +111,17 @@ def _avg_pool(nd: int):
         shards = spatial_shards(op, x, layout, nd)
         _check_pad(op, kernel, padding)
         global_sizes = layout.global_shape(x)[-nd:]
-        out_sizes = {i: pool_out_size(s.size, kernel[i], stride[i], padding[i], 1, ceil_mode) for i, s in shards.items()}
+        out_sizes = {
+            i: pool_out_size(s.size, kernel[i], stride[i], padding[i], 1, ceil_mode) for i, s in shards.items()
+        }
         for i, s in shards.items():
             check_output_size(op, s, out_sizes[i])
         xw = fetch_windows(x, shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], padding[i]))
         local_pad = [0 if i in shards else padding[i] for i in range(nd)]
         if nd == 1:  # avg_pool1d has no divisor_override: pool a (1, L) plane instead
-            total = F.avg_pool2d(xw.unsqueeze(-2), (1, *kernel), (1, *stride), (0, *local_pad), ceil_mode, True, 1).squeeze(-2)
+            total = F.avg_pool2d(
+                xw.unsqueeze(-2), (1, *kernel), (1, *stride), (0, *local_pad), ceil_mode, True, 1
+            ).squeeze(-2)
         else:
             pool = F.avg_pool2d if nd == 2 else F.avg_pool3d
             total = pool(xw, kernel, stride, local_pad, ceil_mode, True, 1)
@@ -121,8 +130,11 @@ def _avg_pool(nd: int):
         else:
             divisor = None
             for i in range(nd):
-                lo, hi = (partition(out_sizes[i], shards[i].axis.size)[shards[i].axis.index] if i in shards
-                          else (0, total.shape[i - nd]))
+                lo, hi = (
+                    partition(out_sizes[i], shards[i].axis.size)[shards[i].axis.index]
+                    if i in shards
+                    else (0, total.shape[i - nd])
+                )
                 d = _divisor(global_sizes[i], lo, hi, kernel[i], stride[i], padding[i], count_include_pad, total)
                 d = d.view(-1, *([1] * (nd - 1 - i)))
                 divisor = d if divisor is None else divisor * d
@@ -167,7 +179,7 @@ def _adaptive_avg_dim(y: torch.Tensor, s: DimShard, m: int) -> torch.Tensor:
     full = adaptive_bins(s.size, m)
     for r, ((a, b), (fa, fb)) in enumerate(zip(bins, full if partial else bins)):
         if b > a:
-            weights[r, a - first:b - first] = 1.0 / (fb - fa)
+            weights[r, a - first : b - first] = 1.0 / (fb - fa)
     out = (y.movedim(s.dim, -1) @ weights.T).movedim(-1, s.dim)
     return all_reduce(out, s.axis.group) if partial else out
 
@@ -223,7 +235,9 @@ def adaptive_pool(nd: int, kind: str):
                 y = _adaptive_avg_dim(y, s, sizes[i])
             else:
                 y, flat = _adaptive_max_dim(y, flat, s, sizes[i])
-        out_layout = layout.with_sizes({s.dim: sizes[i] if sizes[i] >= s.axis.size else None for i, s in shards.items()})
+        out_layout = layout.with_sizes(
+            {s.dim: sizes[i] if sizes[i] >= s.axis.size else None for i, s in shards.items()}
+        )
         if return_indices:
             return wrap(y, out_layout), wrap(flat, out_layout)
         return wrap(y, out_layout)

@@ -40,7 +40,11 @@ def _feature_dropout(nd: int):
     return feature_dropout
 
 
-HANDLERS = {F.dropout: dropout, F.dropout1d: _feature_dropout(1), F.dropout2d: _feature_dropout(2),
-            F.dropout3d: _feature_dropout(3)}
+HANDLERS = {
+    F.dropout: dropout,
+    F.dropout1d: _feature_dropout(1),
+    F.dropout2d: _feature_dropout(2),
+    F.dropout3d: _feature_dropout(3),
+}
 
 __all__ = ["HANDLERS"]

@@ -81,8 +81,10 @@ def _reduction(kind: str):
             raise ValueError(f"{kind}: out= is not supported on sharded tensors")
         x, layout, dims, shards = _operands(input, dim)
         if not shards:  # only unsharded dims: torch's own op on the shard
-            return wrap(getattr(torch, kind)(x, dims, keepdim, **({"dtype": dtype} if dtype else {})),
-                        reduced_layout(layout, dims, keepdim))
+            return wrap(
+                getattr(torch, kind)(x, dims, keepdim, **({"dtype": dtype} if dtype else {})),
+                reduced_layout(layout, dims, keepdim),
+            )
         if kind in ("sum", "mean"):
             local = x.sum(dims, keepdim=True, dtype=dtype)
             total = across(local, shards)
@@ -176,8 +178,10 @@ def _registrations() -> dict:
             handlers[f] = _moments(kind)
     handlers.update({torch.norm: norm, torch.Tensor.norm: norm, torch.linalg.vector_norm: vector_norm})
     handlers.update({torch.logsumexp: logsumexp, torch.Tensor.logsumexp: logsumexp})
-    for log, fs in ((False, (torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax)),
-                    (True, (torch.log_softmax, torch.Tensor.log_softmax, torch.nn.functional.log_softmax))):
+    for log, fs in (
+        (False, (torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax)),
+        (True, (torch.log_softmax, torch.Tensor.log_softmax, torch.nn.functional.log_softmax)),
+    ):
         for f in fs:
             handlers[f] = _softmax(log)
     return handlers

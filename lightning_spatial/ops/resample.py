@@ -83,8 +83,15 @@ def _resample_dim(y: torch.Tensor, s: DimShard, out: int, mode: str, align_corne
     return (picked * w).sum(-1).movedim(-1, s.dim)
 
 
-def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
-                recompute_scale_factor=None, antialias=False):
+def interpolate(
+    input,
+    size=None,
+    scale_factor=None,
+    mode="nearest",
+    align_corners=None,
+    recompute_scale_factor=None,
+    antialias=False,
+):
     x, layout = unwrap(input)
     nd = x.dim() - 2
     if antialias:
@@ -105,8 +112,14 @@ def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corne
         local_factors = None
         if factors[0] is not None or any(f is not None for f in factors):
             local_factors = [1.0 if i in shards else factors[i] for i in range(nd)]
-        x = F.interpolate(x, size=None if local_factors else local_size, scale_factor=local_factors, mode=mode,
-                          align_corners=align_corners, recompute_scale_factor=False if local_factors else None)
+        x = F.interpolate(
+            x,
+            size=None if local_factors else local_size,
+            scale_factor=local_factors,
+            mode=mode,
+            align_corners=align_corners,
+            recompute_scale_factor=False if local_factors else None,
+        )
         if list(x.shape[2:]) != local_size:  # scale_factor rounding must agree with the global sizes
             raise ValueError(f"interpolate: local result {tuple(x.shape[2:])} != expected {tuple(local_size)}")
     kind = "bicubic" if mode == "bicubic" else ("linear" if "linear" in mode else mode)

@@ -101,7 +101,9 @@ def _expand(func):
         sizes = list(_sizes(sizes))
         for s in layout.shards:
             if sizes[s.dim] not in (-1, s.size):
-                raise LayoutError(f"expand: dim {s.dim} is sharded with global size {s.size}, cannot expand to {sizes[s.dim]}")
+                raise LayoutError(
+                    f"expand: dim {s.dim} is sharded with global size {s.size}, cannot expand to {sizes[s.dim]}"
+                )
             sizes[s.dim] = -1
         return wrap(func(x, sizes), layout)
 
@@ -200,11 +202,28 @@ def _registrations() -> dict:
     handlers = {}
     for f in (torch.Tensor.view, torch.Tensor.reshape, torch.reshape):
         handlers[f] = _reshape(f)
-    for f in (torch.flatten, torch.Tensor.flatten, torch.unflatten, torch.Tensor.unflatten, torch.squeeze,
-              torch.Tensor.squeeze, torch.unsqueeze, torch.Tensor.unsqueeze):
+    for f in (
+        torch.flatten,
+        torch.Tensor.flatten,
+        torch.unflatten,
+        torch.Tensor.unflatten,
+        torch.squeeze,
+        torch.Tensor.squeeze,
+        torch.unsqueeze,
+        torch.Tensor.unsqueeze,
+    ):
         handlers[f] = _shape_op(f)
-    for f in (torch.permute, torch.Tensor.permute, torch.transpose, torch.Tensor.transpose, torch.swapaxes,
-              torch.Tensor.swapaxes, torch.movedim, torch.Tensor.movedim, torch.Tensor.mT.__get__):
+    for f in (
+        torch.permute,
+        torch.Tensor.permute,
+        torch.transpose,
+        torch.Tensor.transpose,
+        torch.swapaxes,
+        torch.Tensor.swapaxes,
+        torch.movedim,
+        torch.Tensor.movedim,
+        torch.Tensor.mT.__get__,
+    ):
         handlers[f] = _permute_op(f)
     expand = _expand(torch.Tensor.expand)
     handlers[torch.Tensor.expand] = expand

@@ -71,12 +71,20 @@ class HorovodStrategy(ParallelStrategy):
     ) -> None:
         if compression not in ("none", "fp16"):
             raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
-                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.scale_lr_by_world_size = scale_lr_by_world_size
         self.compression = compression
-        self._env = {"HOROVOD_FUSION_THRESHOLD": fusion_threshold_bytes, "HOROVOD_CYCLE_TIME": cycle_time_ms,
-                     "HOROVOD_TIMELINE": timeline}
+        self._env = {
+            "HOROVOD_FUSION_THRESHOLD": fusion_threshold_bytes,
+            "HOROVOD_CYCLE_TIME": cycle_time_ms,
+            "HOROVOD_TIMELINE": timeline,
+        }
         self._exit_stack: ExitStack | None = None
         self._hvd = None
 
@@ -178,8 +186,9 @@ class HorovodStrategy(ParallelStrategy):
         self.optimizers = [
             hvd.DistributedOptimizer(
                 opt,
-                named_parameters=[(n, p) for n, p in params.items()
-                                  if any(p is q for g in opt.param_groups for q in g["params"])],
+                named_parameters=[
+                    (n, p) for n, p in params.items() if any(p is q for g in opt.param_groups for q in g["params"])
+                ],
                 compression=compression,
                 backward_passes_per_step=self._accumulate,
             )
@@ -213,7 +222,9 @@ class HorovodStrategy(ParallelStrategy):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         if group is not None:
-            raise ValueError("HorovodStrategy reduces over all processes; Horovod has no sub-groups here. Unset `group`.")
+            raise ValueError(
+                "HorovodStrategy reduces over all processes; Horovod has no sub-groups here. Unset `group`."
+            )
         if reduce_op in (None, "avg", "mean"):
             op = self.hvd.Average
         elif reduce_op in ("sum", ReduceOp.SUM):

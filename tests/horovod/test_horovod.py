@@ -34,8 +34,19 @@ needs_horovod = pytest.mark.skipif(MISSING is not None, reason=f"Horovod not bui
 
 
 def horovodrun(out: Path, *args: str) -> dict:
-    cmd = [str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, str(SCRIPT),
-           "--out", str(out), *args]
+    cmd = [
+        str(HOROVODRUN),
+        "--gloo",
+        "-np",
+        "2",
+        "-H",
+        "localhost:2",
+        sys.executable,
+        str(SCRIPT),
+        "--out",
+        str(out),
+        *args,
+    ]
     env = {**os.environ, "PATH": f"{HOROVODRUN.parent}:{os.environ['PATH']}"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -44,9 +55,16 @@ def horovodrun(out: Path, *args: str) -> dict:
 
 def single_device(samples: int, batch: int, accumulate: int = 1) -> LitModel:
     model = LitModel("convnext_atto")
-    L.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulate,
-              ).fit(model, loader(Images(samples, 32, 64), batch))
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=accumulate,
+    ).fit(model, loader(Images(samples, 32, 64), batch))
     return model
 
 
@@ -62,16 +80,28 @@ def test_horovod_matches_single_device_and_ddp(tmp_path):
     ours = as_model(horovodrun(tmp_path))
     assert_same_weights(ours, single_device(4, 4))
     ddp = LitModel("convnext_atto")
-    L.Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", max_epochs=3, logger=False,
-              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              ).fit(ddp, loader(Images(4, 32, 64), 2))
+    L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_fork",
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(ddp, loader(Images(4, 32, 64), 2))
     assert_same_weights(ours, ddp)
     # logged values and torchmetrics are synchronised through Horovod: they equal one device's
-    expected = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False).validate(ours, loader(Images(6, 32, 64, seed=1), 2), verbose=False)[0]
+    expected = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    ).validate(ours, loader(Images(6, 32, 64, seed=1), 2), verbose=False)[0]
     metrics = torch.load(tmp_path / "metrics.pt")
     for key in ("val_loss", "val_acc"):
-        assert abs(float(metrics[key]) - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), (key, metrics[key], expected)
+        assert abs(float(metrics[key]) - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), (
+            key,
+            metrics[key],
+            expected,
+        )
     # the checkpoint rank 0 wrote under Horovod loads into the plain model
     checkpoint = torch.load((tmp_path / "checkpoint.txt").read_text(), weights_only=False)
     plain = LitModel("convnext_atto")
@@ -97,7 +127,9 @@ def test_started_without_horovodrun_says_how_to_launch(monkeypatch):
 
 def test_missing_horovod_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod", None)  # import horovod -> ImportError
-    with pytest.raises(ImportError, match="not installed: install it with `python -m lightning_spatial.install_horovod`"):
+    with pytest.raises(
+        ImportError, match="not installed: install it with `python -m lightning_spatial.install_horovod`"
+    ):
         import_horovod()
 
 
@@ -118,10 +150,26 @@ def test_strategy_options_are_validated():
 @pytest.mark.slow
 @needs_horovod
 def test_horovod_recipe(tmp_path):
-    cmd = [str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
-           str(SCRIPT.parents[2] / "recipes" / "train.py"), "strategy=horovod", "trainer.devices=1",
-           "data.num_samples=8", "data.val_samples=4", "data.height=32", "data.width=64", "data.batch_size=2",
-           "trainer.max_epochs=1", f"strategy.timeline={tmp_path / 'timeline.json'}", f"hydra.run.dir={tmp_path}"]
+    cmd = [
+        str(HOROVODRUN),
+        "--gloo",
+        "-np",
+        "2",
+        "-H",
+        "localhost:2",
+        sys.executable,
+        str(SCRIPT.parents[2] / "recipes" / "train.py"),
+        "strategy=horovod",
+        "trainer.devices=1",
+        "data.num_samples=8",
+        "data.val_samples=4",
+        "data.height=32",
+        "data.width=64",
+        "data.batch_size=2",
+        "trainer.max_epochs=1",
+        f"strategy.timeline={tmp_path / 'timeline.json'}",
+        f"hydra.run.dir={tmp_path}",
+    ]
     env = {**os.environ, "PATH": f"{HOROVODRUN.parent}:{os.environ['PATH']}"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

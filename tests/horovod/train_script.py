@@ -24,14 +24,24 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     model = LitModel("convnext_atto")
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="horovod", max_epochs=args.epochs, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.out,
-                        accumulate_grad_batches=args.accumulate, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="horovod",
+        max_epochs=args.epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.out,
+        accumulate_grad_batches=args.accumulate,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model, loader(Images(args.samples, 32, 64), args.batch), loader(Images(6, 32, 64, seed=1), 2))
     if trainer.global_rank == 0:
         torch.save(model.state_dict(), Path(args.out) / "final.pt")
-        Path(args.out, "checkpoint.txt").write_text(trainer.checkpoint_callback.best_model_path
-                                                    or trainer.checkpoint_callback.last_model_path)
+        Path(args.out, "checkpoint.txt").write_text(
+            trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path
+        )
     # every rank must hold the same weights, and report the same synchronised metrics
     gathered = trainer.strategy.all_gather(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(gathered[0], gathered[1]), "weights differ between Horovod ranks"

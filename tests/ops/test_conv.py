@@ -75,8 +75,12 @@ def _module_case(layout, mode, kernel, stride):
     torch.manual_seed(11)
     conv = torch.nn.Conv2d(3, 5, kernel, stride=stride, padding=kernel // 2, padding_mode=mode)
     x = torch.randn(2, 3, 9, 31 if layout == "w3" else 16)
-    check(lambda x, w, b: torch.func.functional_call(conv, {"weight": w, "bias": b}, (x,)),
-          [x, conv.weight, conv.bias], sharded=[0], axes=axes(layout))
+    check(
+        lambda x, w, b: torch.func.functional_call(conv, {"weight": w, "bias": b}, (x,)),
+        [x, conv.weight, conv.bias],
+        sharded=[0],
+        axes=axes(layout),
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
@@ -89,12 +93,18 @@ def test_nn_conv2d_padding_modes(layout, mode, kernel, stride):
 def _conv1d_case(kernel, stride, padding, dilation, groups):
     torch.manual_seed(1)
     x, w, b = torch.randn(2, 4, 29), torch.randn(4, 4 // groups, kernel), torch.randn(4)
-    check(lambda x, w, b: F.conv1d(x, w, b, stride, padding, dilation, groups), [x, w, b], sharded=[0],
-          axes={-1: Axis.from_group()})
+    check(
+        lambda x, w, b: F.conv1d(x, w, b, stride, padding, dilation, groups),
+        [x, w, b],
+        sharded=[0],
+        axes={-1: Axis.from_group()},
+    )
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-@pytest.mark.parametrize("kernel,stride,padding,dilation,groups", [(3, 1, 1, 1, 1), (5, 2, 2, 1, 4), (3, 2, 2, 2, 2), (3, 1, "same", 3, 1)])
+@pytest.mark.parametrize(
+    "kernel,stride,padding,dilation,groups", [(3, 1, 1, 1, 1), (5, 2, 2, 1, 4), (3, 2, 2, 2, 2), (3, 1, "same", 3, 1)]
+)
 def test_conv1d(ranks, kernel, stride, padding, dilation, groups):
     run_spmd(_conv1d_case, ranks, kernel, stride, padding, dilation, groups)
 
@@ -128,8 +138,12 @@ def _conv_t_case(layout, kernel, stride, padding, output_padding, dilation, grou
     torch.manual_seed(9)
     x = torch.randn(2, 4, 7, 19 if layout == "w3" else 8)
     w, b = torch.randn(4, 6 // groups, kernel, kernel), torch.randn(6)
-    check(lambda x, w, b: F.conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation),
-          [x, w, b], sharded=[0], axes=axes(layout))
+    check(
+        lambda x, w, b: F.conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation),
+        [x, w, b],
+        sharded=[0],
+        axes=axes(layout),
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)

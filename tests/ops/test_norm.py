@@ -23,7 +23,11 @@ def _width(layout):
 
 def _running_norm_case(layout, kind, training):
     torch.manual_seed(0)
-    module = torch.nn.BatchNorm2d(4) if kind == "batch" else torch.nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+    module = (
+        torch.nn.BatchNorm2d(4)
+        if kind == "batch"
+        else torch.nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+    )
     module.running_mean.normal_()
     module.running_var.uniform_(0.5, 2)
     modules = {False: module, True: copy.deepcopy(module)}  # reference, sharded
@@ -69,11 +73,17 @@ def _layer_norm_case(layout, over_spatial):
     x = torch.randn(2, 4, 5, _width(layout))
     shape = x.shape[1:] if over_spatial else None
     if over_spatial:  # normalise over (C, H, W): statistics cross the shards, affine parameters are sliced
-        check(lambda x, w, b: F.layer_norm(x, shape, w, b), [x, torch.randn(shape), torch.randn(shape)], [0], axes(layout))
+        check(
+            lambda x, w, b: F.layer_norm(x, shape, w, b), [x, torch.randn(shape), torch.randn(shape)], [0], axes(layout)
+        )
     else:  # timm's LayerNorm2d: permute to channels-last, normalise channels, permute back
         norm = LayerNorm2d(4)
-        check(lambda x, w, b: torch.func.functional_call(norm, {"weight": w, "bias": b}, (x,)),
-              [x, torch.randn(4), torch.randn(4)], [0], axes(layout))
+        check(
+            lambda x, w, b: torch.func.functional_call(norm, {"weight": w, "bias": b}, (x,)),
+            [x, torch.randn(4), torch.randn(4)],
+            [0],
+            axes(layout),
+        )
 
 
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
@@ -89,8 +99,12 @@ def _grn_case(layout, channels_last):
     ax = axes(layout)
     if channels_last:  # (N, H, W, C): the spatial dims are -3 and -2
         ax = {d - 1: a for d, a in ax.items()}
-    check(lambda x, w, b: torch.func.functional_call(grn, {"weight": w, "bias": b}, (x,)),
-          [x, torch.randn(4), torch.randn(4)], [0], ax)
+    check(
+        lambda x, w, b: torch.func.functional_call(grn, {"weight": w, "bias": b}, (x,)),
+        [x, torch.randn(4), torch.randn(4)],
+        [0],
+        ax,
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)

@@ -27,15 +27,26 @@ def _case(layout, mode, align_corners, size, scale_factor, recompute):
     kwargs = {"align_corners": align_corners} if align_corners is not None else {}
 
     def op(x):
-        return F.interpolate(x, size=size, scale_factor=scale_factor, mode=mode, recompute_scale_factor=recompute, **kwargs)
+        return F.interpolate(
+            x, size=size, scale_factor=scale_factor, mode=mode, recompute_scale_factor=recompute, **kwargs
+        )
 
     check(op, [x], sharded=[0], axes=axes(layout))
 
 
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
-@pytest.mark.parametrize("mode,align_corners", [("nearest", None), ("nearest-exact", None), ("bilinear", False),
-                                                ("bilinear", True), ("bicubic", False), ("bicubic", True),
-                                                ("area", None)])
+@pytest.mark.parametrize(
+    "mode,align_corners",
+    [
+        ("nearest", None),
+        ("nearest-exact", None),
+        ("bilinear", False),
+        ("bilinear", True),
+        ("bicubic", False),
+        ("bicubic", True),
+        ("area", None),
+    ],
+)
 @pytest.mark.parametrize("size,scale_factor,recompute", RESIZES)
 def test_interpolate(layout, mode, align_corners, size, scale_factor, recompute):
     run_spmd(_case, LAYOUTS[layout][0], layout, mode, align_corners, size, scale_factor, recompute)
@@ -56,8 +67,12 @@ def _linear_1d_case(align_corners):
     from lightning_spatial import Axis
 
     torch.manual_seed(11)
-    check(lambda x: F.interpolate(x, scale_factor=1.7, mode="linear", align_corners=align_corners),
-          [torch.randn(2, 3, 20)], sharded=[0], axes={-1: Axis.from_group()})
+    check(
+        lambda x: F.interpolate(x, scale_factor=1.7, mode="linear", align_corners=align_corners),
+        [torch.randn(2, 3, 20)],
+        sharded=[0],
+        axes={-1: Axis.from_group()},
+    )
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

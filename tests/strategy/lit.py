@@ -32,8 +32,9 @@ class SegNet(torch.nn.Module):
     def __init__(self, classes: int = 3):
         super().__init__()
         self.enc1 = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
-        self.enc2 = torch.nn.Sequential(torch.nn.MaxPool2d(2), torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.GroupNorm(4, 16),
-                                        torch.nn.GELU())
+        self.enc2 = torch.nn.Sequential(
+            torch.nn.MaxPool2d(2), torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.GroupNorm(4, 16), torch.nn.GELU()
+        )
         self.up = torch.nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
         self.head = torch.nn.Conv2d(24, classes, 1)
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from lightning_spatial import SpatialParallelStrategy
-from tests.oracle import assert_rel_close
 from tests.strategy.lit import Images, LitModel, loader
 
 STEPS = 3
@@ -15,9 +14,17 @@ STEPS = 3
 
 def fit(model, strategy, devices, data, batch_size, **trainer_kwargs):
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, deterministic=False, **trainer_kwargs,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=False,
+        **trainer_kwargs,
     )
     L.seed_everything(1234)  # the same random stream (dropout) for the reference and every rank
     trainer.fit(model, loader(data, batch_size))
@@ -85,6 +92,13 @@ def test_efficientnet_matches_single_device_in_float64():
     reference = LitModel("efficientnet_b0")
     fit(reference, "auto", 1, data, 4, precision="64-true")
     ours = LitModel("efficientnet_b0")
-    fit(ours, SpatialParallelStrategy(2, "height", start_method="fork"), 2, data, 4, precision="64-true",
-        use_distributed_sampler=False)  # the same sample order as the reference
+    fit(
+        ours,
+        SpatialParallelStrategy(2, "height", start_method="fork"),
+        2,
+        data,
+        4,
+        precision="64-true",
+        use_distributed_sampler=False,
+    )  # the same sample order as the reference
     assert_same_weights(ours, reference.float(), tolerance=2e-7, zero_floor=1e-12)

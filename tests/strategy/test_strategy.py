@@ -13,11 +13,18 @@ from tests.strategy.test_equivalence import assert_same_weights
 
 
 def trainer(devices=2, spatial=2, shard_dim="width", max_epochs=2, **kwargs):
-    kwargs = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-              "enable_model_summary": False, "num_sanity_val_steps": 0, **kwargs}
+    kwargs = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        **kwargs,
+    }
     strategy = SpatialParallelStrategy(spatial, shard_dim, start_method="fork") if spatial else "auto"
-    return L.Trainer(accelerator="cpu", devices=devices if spatial else 1, strategy=strategy, max_epochs=max_epochs,
-                     **kwargs)
+    return L.Trainer(
+        accelerator="cpu", devices=devices if spatial else 1, strategy=strategy, max_epochs=max_epochs, **kwargs
+    )
 
 
 class CheckBatches(L.Callback):
@@ -83,8 +90,9 @@ class CheckPredictions(L.Callback):
 
 def test_predict_returns_full_tensors():
     """With fork, predictions stay in the workers: check them there against the plain model."""
-    trainer(2, 2, callbacks=[CheckPredictions()]).predict(LitModel("segnet"), loader(Images(4, 16, 24), 2),
-                                                          return_predictions=False)
+    trainer(2, 2, callbacks=[CheckPredictions()]).predict(
+        LitModel("segnet"), loader(Images(4, 16, 24), 2), return_predictions=False
+    )
 
 
 def test_checkpoint_round_trip_and_resume(tmp_path):
@@ -112,17 +120,26 @@ def test_plain_checkpoint_loads_into_a_spatial_run(tmp_path):
     t = trainer(spatial=None, max_epochs=1, default_root_dir=tmp_path, enable_checkpointing=True)
     t.fit(LitModel("convnext_atto"), loader(data, 4))
     reference = LitModel("convnext_atto")
-    trainer(spatial=None, max_epochs=2).fit(reference, loader(data, 4), ckpt_path=t.checkpoint_callback.last_model_path or t.checkpoint_callback.best_model_path)
+    trainer(spatial=None, max_epochs=2).fit(
+        reference,
+        loader(data, 4),
+        ckpt_path=t.checkpoint_callback.last_model_path or t.checkpoint_callback.best_model_path,
+    )
     ours = LitModel("convnext_atto")
-    trainer(2, 2, max_epochs=2).fit(ours, loader(data, 4), ckpt_path=t.checkpoint_callback.last_model_path or t.checkpoint_callback.best_model_path)
+    trainer(2, 2, max_epochs=2).fit(
+        ours, loader(data, 4), ckpt_path=t.checkpoint_callback.last_model_path or t.checkpoint_callback.best_model_path
+    )
     assert_same_weights(ours, reference)
 
 
-@pytest.mark.parametrize("options", [
-    {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"},
-    {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
-    {"accumulate_grad_batches": 2},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"},
+        {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+        {"accumulate_grad_batches": 2},
+    ],
+)
 def test_clipping_and_accumulation_match_single_device(options):
     data = Images(4, 16, 24)
     reference, ours = LitModel("segnet"), LitModel("segnet")
@@ -133,8 +150,11 @@ def test_clipping_and_accumulation_match_single_device(options):
 
 
 def _max_relative_difference(a, b) -> float:
-    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item()
-               for x, y in zip(a.state_dict().values(), b.state_dict().values()) if y.is_floating_point())
+    return max(
+        ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item()
+        for x, y in zip(a.state_dict().values(), b.state_dict().values())
+        if y.is_floating_point()
+    )
 
 
 def test_bf16_mixed_is_as_close_to_single_device_as_bf16_is_to_fp32():
@@ -175,11 +195,14 @@ def test_unsupported_shard_dim_fails_at_construction():
         SpatialParallelStrategy(2, "channels")
 
 
-@pytest.mark.parametrize("case,match", [
-    ("indivisible", "spatial_size 1x3=3 does not divide the world size 2"),
-    ("too narrow", "has size 2, smaller than its 2 ranks|dim -1 has size 1, smaller than its 2 ranks"),
-    ("no image", "no image-sized tensor in the batch"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("indivisible", "spatial_size 1x3=3 does not divide the world size 2"),
+        ("too narrow", "has size 2, smaller than its 2 ranks|dim -1 has size 1, smaller than its 2 ranks"),
+        ("no image", "no image-sized tensor in the batch"),
+    ],
+)
 def test_bad_input_fails_before_training(case, match):
     model = LitModel("segnet")
     if case == "indivisible":
