@@ -157,16 +157,17 @@ def _max_relative_difference(a, b) -> float:
     )
 
 
-def test_bf16_mixed_is_as_close_to_single_device_as_bf16_is_to_fp32():
-    """bf16 rounds differently per tile size, so the yardstick is bf16's own error on one device."""
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_is_as_close_to_single_device_as_it_is_to_fp32(precision):
+    """Half precision rounds differently per tile size, so the yardstick is its own error on one device."""
     data = Images(4, 32, 64)
-    fp32, bf16, ours = LitModel("convnext_atto"), LitModel("convnext_atto"), LitModel("convnext_atto")
+    fp32, half, ours = LitModel("convnext_atto"), LitModel("convnext_atto"), LitModel("convnext_atto")
     trainer(spatial=None).fit(fp32, loader(data, 4))
-    trainer(spatial=None, precision="bf16-mixed").fit(bf16, loader(data, 4))
-    trainer(2, 2, precision="bf16-mixed").fit(ours, loader(data, 4))
-    yardstick = _max_relative_difference(bf16, fp32)
+    trainer(spatial=None, precision=precision).fit(half, loader(data, 4))
+    trainer(2, 2, precision=precision).fit(ours, loader(data, 4))
+    yardstick = _max_relative_difference(half, fp32)
     assert 0 < yardstick < 0.5
-    assert _max_relative_difference(ours, bf16) <= 2 * yardstick
+    assert _max_relative_difference(ours, half) <= 2 * yardstick
 
 
 def test_activation_checkpointing_matches_single_device():
