@@ -33,23 +33,17 @@ if MISSING and os.environ.get("LIGHTNING_SPATIAL_REQUIRE_HOROVOD") == "1":
 needs_horovod = pytest.mark.skipif(MISSING is not None, reason=f"Horovod not built here: {MISSING}")
 
 
-def horovodrun(out: Path, *args: str) -> dict:
-    cmd = [
-        str(HOROVODRUN),
-        "--gloo",
-        "-np",
-        "2",
-        "-H",
-        "localhost:2",
-        sys.executable,
-        str(SCRIPT),
-        "--out",
-        str(out),
-        *args,
-    ]
+def horovodrun(script: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``horovodrun --gloo -np 2`` on this machine; fails the test with the output if it fails."""
+    cmd = [str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, str(script), *args]
     env = {**os.environ, "PATH": f"{HOROVODRUN.parent}:{os.environ['PATH']}"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done
+
+
+def train(out: Path, *args: str) -> dict:
+    horovodrun(SCRIPT, "--out", str(out), *args)
     return torch.load(out / "final.pt")
 
 
@@ -77,7 +71,7 @@ def as_model(state: dict) -> LitModel:
 @pytest.mark.slow
 @needs_horovod
 def test_horovod_matches_single_device_and_ddp(tmp_path):
-    ours = as_model(horovodrun(tmp_path))
+    ours = as_model(train(tmp_path))
     assert_same_weights(ours, single_device(4, 4))
     ddp = LitModel("convnext_atto")
     L.Trainer(
@@ -112,7 +106,7 @@ def test_horovod_matches_single_device_and_ddp(tmp_path):
 @pytest.mark.slow
 @needs_horovod
 def test_horovod_gradient_accumulation(tmp_path):
-    ours = as_model(horovodrun(tmp_path, "--samples", "8", "--batch", "2", "--accumulate", "2"))
+    ours = as_model(train(tmp_path, "--samples", "8", "--batch", "2", "--accumulate", "2"))
     assert_same_weights(ours, single_device(8, 4, accumulate=2))
 
 
@@ -150,15 +144,7 @@ def test_strategy_options_are_validated():
 @pytest.mark.slow
 @needs_horovod
 def test_horovod_recipe(tmp_path):
-    cmd = [
-        str(HOROVODRUN),
-        "--gloo",
-        "-np",
-        "2",
-        "-H",
-        "localhost:2",
-        sys.executable,
-        str(SCRIPT.parents[2] / "recipes" / "train.py"),
+    overrides = [
         "strategy=horovod",
         "trainer.devices=1",
         "data.num_samples=8",
@@ -170,8 +156,6 @@ def test_horovod_recipe(tmp_path):
         f"strategy.timeline={tmp_path / 'timeline.json'}",
         f"hydra.run.dir={tmp_path}",
     ]
-    env = {**os.environ, "PATH": f"{HOROVODRUN.parent}:{os.environ['PATH']}"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    done = horovodrun(SCRIPT.parents[2] / "recipes" / "train.py", *overrides, cwd=tmp_path)
     assert done.stdout.count("final metrics:") == 2
     assert (tmp_path / "timeline.json").stat().st_size > 0  # the timeline option reached Horovod
