@@ -67,7 +67,7 @@ def _plan(n: int, parts: int, me: int, windows: tuple[tuple[int, int], ...], mod
         theirs = pieces(j) if j != me else {}
         if me in theirs:
             sends.append((j, _selection(theirs[me][1])))
-    if fill is None and not recvs and not sends and all(isinstance(sel, range) for sel in local):
+    if fill is None and not recvs and not sends and local is not None and all(isinstance(s, range) for s in local):
         return _Plan(b - a, local[1], None, (), (), None)
     return _Plan(b - a, None, local, recvs, tuple(sends), fill)
 
@@ -112,7 +112,7 @@ class _FetchWindow(torch.autograd.Function):
         if isinstance(plan.fill, range):  # only the padding positions get the fill value
             _select(out, dim, plan.fill).fill_(fill)
         elif plan.fill is not None:
-            out.index_fill_(dim, torch.as_tensor(plan.fill, device=out.device), fill)
+            out.index_fill_(dim, _index(plan.fill, out.device), fill)
         if plan.local is not None:
             _put(out, dim, plan.local[0], _select(x, dim, plan.local[1]))
         for (_, pos, _), (_, buf) in zip(plan.recvs, recvs):
@@ -140,6 +140,12 @@ class _FetchWindow(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
+@lru_cache(maxsize=4096)
+def _index(sel: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Index tensors built once per plan and device: no host-to-device copy (a sync) in the step."""
+    return torch.tensor(sel, dtype=torch.long, device=device)
+
+
 def _count(sel) -> int:
     return sel.stop - sel.start if isinstance(sel, range) else len(sel)
 
@@ -147,21 +153,21 @@ def _count(sel) -> int:
 def _select(x: torch.Tensor, dim: int, sel) -> torch.Tensor:
     if isinstance(sel, range):
         return x.narrow(dim, sel.start, sel.stop - sel.start)
-    return x.index_select(dim, torch.as_tensor(sel, device=x.device))
+    return x.index_select(dim, _index(sel, x.device))
 
 
 def _put(out: torch.Tensor, dim: int, sel, value: torch.Tensor) -> None:
     if isinstance(sel, range):
         out.narrow(dim, sel.start, sel.stop - sel.start).copy_(value)
     else:
-        out.index_copy_(dim, torch.as_tensor(sel, device=out.device), value)
+        out.index_copy_(dim, _index(sel, out.device), value)
 
 
 def _add(out: torch.Tensor, dim: int, sel, value: torch.Tensor) -> None:
     if isinstance(sel, range):
         out.narrow(dim, sel.start, sel.stop - sel.start).add_(value)
     else:
-        out.index_add_(dim, torch.as_tensor(sel, device=out.device), value)
+        out.index_add_(dim, _index(sel, out.device), value)
 
 
 def fetch_window(

@@ -12,6 +12,7 @@ Max-pool indices are global flat indices into the input plane, as on one device.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -88,14 +89,15 @@ def _max_pool(nd: int):
     return max_pool
 
 
-def _divisor(n: int, lo: int, hi: int, kernel: int, stride: int, padding: int, include_pad: bool, like) -> torch.Tensor:
-    """torch's average-pool divisor for output rows ``[lo, hi)`` of one dim."""
+@lru_cache(maxsize=1024)
+def _divisor(n: int, lo: int, hi: int, kernel: int, stride: int, padding: int, include_pad: bool, dtype, device):
+    """torch's average-pool divisor for output rows ``[lo, hi)`` of one dim (built once per device)."""
     counts = []
     for o in range(lo, hi):
         start = o * stride - padding
         end = min(start + kernel, n + padding)
         counts.append(end - start if include_pad else min(end, n) - max(start, 0))
-    return torch.tensor(counts, dtype=like.dtype, device=like.device)
+    return torch.tensor(counts, dtype=dtype, device=device)
 
 
 def _avg_pool(nd: int):
@@ -135,7 +137,17 @@ def _avg_pool(nd: int):
                     if i in shards
                     else (0, total.shape[i - nd])
                 )
-                d = _divisor(global_sizes[i], lo, hi, kernel[i], stride[i], padding[i], count_include_pad, total)
+                d = _divisor(
+                    global_sizes[i],
+                    lo,
+                    hi,
+                    kernel[i],
+                    stride[i],
+                    padding[i],
+                    count_include_pad,
+                    total.dtype,
+                    total.device,
+                )
                 d = d.view(-1, *([1] * (nd - 1 - i)))
                 divisor = d if divisor is None else divisor * d
             out = total / divisor

@@ -70,14 +70,23 @@ def taps(mode: str, n: int, out: int, align_corners: bool, scale_factor: float |
     return torch.stack([first, second], -1), torch.stack([1 - lam, lam], -1)
 
 
+@lru_cache(maxsize=256)
+def _on_device(mode, n, out, align_corners, scale_factor, parts, index, dtype, device):
+    """This rank's taps (rows relative to its window, weights) on the device, built once."""
+    rows, weights = taps(mode, n, out, align_corners, scale_factor)
+    lo, hi = partition(out, parts)[index]
+    first = int(rows[lo:hi].min())
+    return (rows[lo:hi] - first).to(device), weights[lo:hi].to(device=device, dtype=dtype)
+
+
 def _resample_dim(y: torch.Tensor, s: DimShard, out: int, mode: str, align_corners: bool, scale_factor):
     rows, weights = taps(mode, s.size, out, align_corners, scale_factor)
     bounds = partition(out, s.axis.size)
     windows = [(int(rows[lo:hi].min()), int(rows[lo:hi].max()) + 1) for lo, hi in bounds]
     y = fetch_window(y, s, windows)
-    lo, hi = bounds[s.axis.index]
-    local_rows = (rows[lo:hi] - windows[s.axis.index][0]).to(y.device)
-    w = weights[lo:hi].to(device=y.device, dtype=y.dtype)
+    local_rows, w = _on_device(
+        mode, s.size, out, align_corners, scale_factor, s.axis.size, s.axis.index, y.dtype, y.device
+    )
     moved = y.movedim(s.dim, -1)
     picked = moved[..., local_rows]  # (..., rows, taps)
     return (picked * w).sum(-1).movedim(-1, s.dim)
