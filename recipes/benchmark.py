@@ -53,6 +53,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--baseline", default="1", help="also time the shard-only baseline (0/1)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one spatial step")
     return p.parse_args()
 
 
@@ -176,6 +177,8 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     HaloStats.reset()
     step()
     row["halo_mib_per_step"] = HaloStats.sent_bytes / 2**20
+    if args.profile:
+        profile(step, device)
     del ddp, model, opt, step
     free(device)
     if baseline:  # time the baseline again after ours: the ratio uses the faster of its two runs
@@ -208,6 +211,21 @@ def print_table(rows: list[dict]) -> None:
             f"{name:42}"
             + "".join(f" {r.get(key, float('nan')):{width}.{digits}f}" for _, key, width, digits in COLUMNS)
         )
+
+
+def profile(step, device) -> None:
+    """Where one step's time goes: the ops with most device time, then most host time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        step()
+        sync(device)
+    events = prof.key_averages()
+    if device.type == "cuda":
+        print(events.table(sort_by="self_cuda_time_total", row_limit=12), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
 
 
 def _completed(state, bucket):
