@@ -152,7 +152,7 @@ def test_conv_transpose2d(layout, kernel, stride, padding, output_padding, dilat
     run_spmd(_conv_t_case, LAYOUTS[layout][0], layout, kernel, stride, padding, output_padding, dilation, groups)
 
 
-def _autocast_case():
+def _autocast_case(dtype):
     from lightning_spatial import shard
     from lightning_spatial.halo import HaloStats
 
@@ -161,12 +161,13 @@ def _autocast_case():
     sent = {}
     for autocast in (False, True):
         HaloStats.reset()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
             out = F.conv2d(x, w, padding=3, groups=4)
         sent[autocast] = HaloStats.sent_bytes
-        assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
-    assert sent[True] * 2 == sent[False] > 0  # halos travel in bf16 under autocast
+        assert out.dtype == (dtype if autocast else torch.float32)
+    assert sent[True] * 2 == sent[False] > 0  # halos travel in the half dtype under autocast
 
 
-def test_halos_travel_in_the_autocast_dtype():
-    run_spmd(_autocast_case, 2)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_halos_travel_in_the_autocast_dtype(dtype):
+    run_spmd(_autocast_case, 2, dtype)

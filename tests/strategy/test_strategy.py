@@ -157,7 +157,7 @@ def _max_relative_difference(a, b) -> float:
     )
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("precision", ["bf16-mixed"])  # Lightning turns "16-mixed" on CPU into bf16-mixed
 def test_mixed_precision_is_as_close_to_single_device_as_it_is_to_fp32(precision):
     """Half precision rounds differently per tile size, so the yardstick is its own error on one device."""
     data = Images(4, 32, 64)
