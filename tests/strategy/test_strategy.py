@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor, gather
 from tests.strategy.lit import Images, LitModel, loader
@@ -157,14 +158,22 @@ def _max_relative_difference(a, b) -> float:
     )
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed"])  # Lightning turns "16-mixed" on CPU into bf16-mixed
+def _half(precision: str) -> dict:
+    """Trainer arguments for mixed precision on CPU. Lightning turns the string "16-mixed" on CPU into
+    bf16-mixed, so fp16 autocast with a gradient scaler is requested as an explicit plugin."""
+    if precision == "bf16-mixed":
+        return {"precision": precision}
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_is_as_close_to_single_device_as_it_is_to_fp32(precision):
     """Half precision rounds differently per tile size, so the yardstick is its own error on one device."""
     data = Images(4, 32, 64)
     fp32, half, ours = LitModel("convnext_atto"), LitModel("convnext_atto"), LitModel("convnext_atto")
     trainer(spatial=None).fit(fp32, loader(data, 4))
-    trainer(spatial=None, precision=precision).fit(half, loader(data, 4))
-    trainer(2, 2, precision=precision).fit(ours, loader(data, 4))
+    trainer(spatial=None, **_half(precision)).fit(half, loader(data, 4))
+    trainer(2, 2, **_half(precision)).fit(ours, loader(data, 4))
     yardstick = _max_relative_difference(half, fp32)
     assert 0 < yardstick < 0.5
     assert _max_relative_difference(ours, half) <= 2 * yardstick
