@@ -97,8 +97,16 @@ def test_notebook_runs(tmp_path):
 def test_train_recipe_under_torchrun(tmp_path):
     """Launched by torchrun, Lightning's TorchElasticEnvironment supplies the ranks (as on a GPU cluster)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(ROOT / "recipes" / "train.py"), *TOY,
-           "strategy.start_method=popen", f"hydra.run.dir={tmp_path}"]
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "recipes" / "train.py"),
+        *TOY,
+        "strategy.start_method=popen",
+        f"hydra.run.dir={tmp_path}",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -171,3 +171,17 @@ def _autocast_case(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_halos_travel_in_the_autocast_dtype(dtype):
     run_spmd(_autocast_case, 2, dtype)
+
+
+def _conv_t_nd_case(layout, nd):
+    torch.manual_seed(10)
+    shape = (2, 3, 9) if nd == 1 else (1, 3, 4, 7, 11)
+    x, w, b = torch.randn(*shape), torch.randn(3, 4, *([3] * nd)), torch.randn(4)
+    op = F.conv_transpose1d if nd == 1 else F.conv_transpose3d
+    ax = {-1: Axis.from_group()} if nd == 1 else axes(layout)
+    check(lambda x, w, b: op(x, w, b, stride=2, padding=1, output_padding=1), [x, w, b], sharded=[0], axes=ax)
+
+
+@pytest.mark.parametrize("nd,layout", [(1, "w2"), (1, "w3"), (3, "w3"), (3, "2x2")])
+def test_conv_transpose_1d_3d(nd, layout):
+    run_spmd(_conv_t_nd_case, LAYOUTS[layout][0], layout, nd)
