@@ -37,7 +37,7 @@ def run(*overrides: str, tmp_path: Path, flags: tuple[str, ...] = ()) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [(), ("model=resnet18_seg",), ("strategy=single", "trainer.devices=1")])
+@pytest.mark.parametrize("overrides", [(), ("model=convnext_atto",), ("strategy=single", "trainer.devices=1")])
 def test_train_recipe(overrides, tmp_path):
     assert "final metrics:" in run(*overrides, tmp_path=tmp_path)
 
