@@ -161,7 +161,7 @@ class SpatialTensor(torch.Tensor):
                 return func(*args, **kwargs)
         if func in _GLOBAL_SHAPE:
             return _GLOBAL_SHAPE[func](args[0], *args[1:], **kwargs)
-        if func in POINTWISE or func in _LAYOUT_PRESERVING:
+        if func in POINTWISE or (func in _LAYOUT_PRESERVING and not _is_nonzero_where(func, args, kwargs)):
             return _elementwise(func, args, kwargs)
         return fallback(func, args, kwargs)
 
@@ -296,6 +296,11 @@ def fallback(func, args, kwargs):
     return tree_map(reshard, out)
 
 
+def _is_nonzero_where(func: Callable, args, kwargs) -> bool:
+    """``torch.where(condition)`` returns global indices, not an element-wise result."""
+    return func is torch.where and len(args) + len(kwargs) == 1
+
+
 def _name(func: Callable) -> str:
     qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     module = getattr(func, "__module__", None) or ""
@@ -369,14 +374,13 @@ POINTWISE: frozenset[Callable] = frozenset(
     | _functions((n + "_" for n in _pointwise_names()), (torch.Tensor,))
     | _functions(_DUNDERS, (torch.Tensor,))
     | _functions(_ACTIVATIONS, (torch.nn.functional,))
-    | {torch.Tensor.div_, torch.Tensor.mul_, torch.Tensor.add_, torch.Tensor.sub_}
 )
 
-# Results keep the operand's layout although aten does not tag these pointwise.
+# Results keep the operand's layout although aten does not tag these pointwise (``where`` only in its
+# three-operand form: see ``_is_nonzero_where``).
 _LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
     _functions(
         [
-            "clone",
             "contiguous",
             "detach",
             "detach_",
@@ -398,11 +402,7 @@ _LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
             "full_like",
             "empty_like",
             "where",
-            "masked_fill",
             "masked_fill_",
-            "clamp",
-            "clamp_",
-            "lerp",
         ],
         (torch, torch.Tensor),
     )

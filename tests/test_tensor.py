@@ -93,6 +93,7 @@ def _fallback_case(layout):
         warnings.simplefilter("always")
         check(lambda x: torch.flip(x, [-1, -2]).cumsum(-1), [full], [0], axes(layout), allow_fallback=True)
         check(lambda x: x.sum(dim=(-1, -2)), [full], [0], axes(layout), allow_fallback=True)
+        check(lambda x: torch.where(x > 0.5), [full], [0], axes(layout), allow_fallback=True)  # global indices
     names = " ".join(str(w.message) for w in caught)
     assert "flip" in names and "cumsum" in names and "sum" in names
     # in place: the write lands in the right shard
