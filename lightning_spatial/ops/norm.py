@@ -14,7 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..tensor import LayoutError, unwrap, wrap
+from ..tensor import unwrap, wrap
+from ._common import spatial_shards
 from .reduce import across
 
 _SYNC_AXIS = None  # the data axis while the strategy runs SyncBatchNorm
@@ -43,18 +44,9 @@ def _affine(out: torch.Tensor, weight, bias) -> torch.Tensor:
     return out
 
 
-def _check_spatial(op: str, x: torch.Tensor, layout) -> list:
-    for s in layout.shards:
-        if x.dim() + s.dim < 2:
-            raise LayoutError(
-                f"{op}: dim {s.dim} of a {x.dim()}-d input is sharded; shard only spatial dims (2 and up)"
-            )
-    return list(layout.shards)
-
-
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     x, layout = unwrap(input)
-    shards = _check_spatial("batch_norm", x, layout)
+    shards = list(spatial_shards("batch_norm", x, layout, x.dim() - 2).values())
     if not training and running_mean is not None:
         return wrap(F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(d - x.dim() for d in range(x.dim()) if d != 1)
@@ -76,7 +68,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     x, layout = unwrap(input)
-    shards = _check_spatial("group_norm", x, layout)
+    shards = list(spatial_shards("group_norm", x, layout, x.dim() - 2).values())
     n, c = x.shape[:2]
     grouped = x.reshape(n, num_groups, c // num_groups, *x.shape[2:])  # sharded dims keep their negative index
     dims = tuple(range(-(grouped.dim() - 2), 0))
@@ -89,7 +81,7 @@ def instance_norm(
     input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True, momentum=0.1, eps=1e-5
 ):
     x, layout = unwrap(input)
-    shards = _check_spatial("instance_norm", x, layout)
+    shards = list(spatial_shards("instance_norm", x, layout, x.dim() - 2).values())
     if not use_input_stats:
         return wrap(F.instance_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(range(-(x.dim() - 2), 0))
