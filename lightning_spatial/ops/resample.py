@@ -71,24 +71,26 @@ def taps(mode: str, n: int, out: int, align_corners: bool, scale_factor: float |
 
 
 @lru_cache(maxsize=256)
-def _on_device(mode, n, out, align_corners, scale_factor, parts, index, dtype, device):
+def _windows(mode, n, out, align_corners, scale_factor, parts) -> tuple[tuple[int, int], ...]:
+    """Every rank's window of source rows: the rows its output rows' taps read."""
+    rows, _ = taps(mode, n, out, align_corners, scale_factor)
+    return tuple((int(rows[lo:hi].min()), int(rows[lo:hi].max()) + 1) for lo, hi in partition(out, parts))
+
+
+@lru_cache(maxsize=256)
+def _local_taps(mode, n, out, align_corners, scale_factor, parts, index, dtype, device):
     """This rank's taps (rows relative to its window, weights) on the device, built once."""
     rows, weights = taps(mode, n, out, align_corners, scale_factor)
     lo, hi = partition(out, parts)[index]
-    first = int(rows[lo:hi].min())
+    first = _windows(mode, n, out, align_corners, scale_factor, parts)[index][0]
     return (rows[lo:hi] - first).to(device), weights[lo:hi].to(device=device, dtype=dtype)
 
 
 def _resample_dim(y: torch.Tensor, s: DimShard, out: int, mode: str, align_corners: bool, scale_factor):
-    rows, weights = taps(mode, s.size, out, align_corners, scale_factor)
-    bounds = partition(out, s.axis.size)
-    windows = [(int(rows[lo:hi].min()), int(rows[lo:hi].max()) + 1) for lo, hi in bounds]
-    y = fetch_window(y, s, windows)
-    local_rows, w = _on_device(
-        mode, s.size, out, align_corners, scale_factor, s.axis.size, s.axis.index, y.dtype, y.device
-    )
-    moved = y.movedim(s.dim, -1)
-    picked = moved[..., local_rows]  # (..., rows, taps)
+    key = (mode, s.size, out, align_corners, scale_factor, s.axis.size)
+    y = fetch_window(y, s, _windows(*key))
+    local_rows, w = _local_taps(*key, s.axis.index, y.dtype, y.device)
+    picked = y.movedim(s.dim, -1)[..., local_rows]  # (..., rows, taps)
     return (picked * w).sum(-1).movedim(-1, s.dim)
 
 
