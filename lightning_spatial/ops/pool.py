@@ -164,46 +164,53 @@ def _output_sizes(output_size, global_sizes, nd: int) -> list[int]:
     return [n if m is None else int(m) for m, n in zip(sizes, global_sizes)]
 
 
-def _bin_rows(s: DimShard, m: int) -> tuple[list[tuple[int, int]], int, bool]:
-    """(this rank's bins clipped to the rows it will hold, first held row, partial?) for one dim.
+@lru_cache(maxsize=1024)
+def _bins_here(n: int, m: int, parts: int, index: int) -> tuple[tuple[tuple[int, int], ...], tuple | None, bool]:
+    """(bins this rank computes, clipped to the rows it holds; every rank's window or None; partial?).
 
-    With at least one output row per rank the output stays sharded: fetch the bins' window. Otherwise
-    each rank reduces its own rows into every bin and the partials are all-reduced."""
-    bins = adaptive_bins(s.size, m)
-    if m >= s.axis.size:
-        return list(bins), 0, False
-    return [(max(a, s.start), min(b, s.stop)) for a, b in bins], s.start, True
+    With at least one output row per rank the output stays sharded: each rank fetches the window of its
+    bins. Otherwise each rank reduces its own rows into every bin and the partials are all-reduced."""
+    bins = adaptive_bins(n, m)
+    if m < parts:
+        start, stop = partition(n, parts)[index]
+        return tuple((max(a, start), min(b, stop)) for a, b in bins), None, True
+    windows = tuple((bins[lo][0], bins[hi - 1][1]) for lo, hi in partition(m, parts))
+    lo, hi = partition(m, parts)[index]
+    return bins[lo:hi], windows, False
 
 
-def _bin_window(s: DimShard, m: int) -> list[tuple[int, int]]:
-    bins = adaptive_bins(s.size, m)
-    return [(bins[lo][0], bins[hi - 1][1]) for lo, hi in partition(m, s.axis.size)]
+def _rows_for_bins(y: torch.Tensor, s: DimShard, m: int, *extra: torch.Tensor | None):
+    """The rows this rank pools along ``s.dim`` (its window, or its own rows), with the bins and the
+    global index of the first row; ``extra`` tensors (max-pool indices) travel with ``y``."""
+    bins, windows, partial = _bins_here(s.size, m, s.axis.size, s.axis.index)
+    if partial:
+        return y, extra, bins, s.start, True
+    extra = tuple(fetch_window(t, s, windows) if t is not None else None for t in extra)
+    return fetch_window(y, s, windows), extra, bins, windows[s.axis.index][0], False
+
+
+@lru_cache(maxsize=1024)
+def _bin_weights(n: int, m: int, parts: int, index: int, length: int, dtype, device) -> torch.Tensor:
+    """Averaging matrix (bins x rows held) for one dim, built once per device."""
+    bins, windows, partial = _bins_here(n, m, parts, index)
+    first = partition(n, parts)[index][0] if partial else windows[index][0]
+    full = adaptive_bins(n, m) if partial else bins
+    weights = torch.zeros(len(bins), length, dtype=dtype)
+    for r, ((a, b), (fa, fb)) in enumerate(zip(bins, full)):
+        if b > a:
+            weights[r, a - first : b - first] = 1.0 / (fb - fa)
+    return weights.to(device)
 
 
 def _adaptive_avg_dim(y: torch.Tensor, s: DimShard, m: int) -> torch.Tensor:
-    bins, first, partial = _bin_rows(s, m)
-    if not partial:
-        windows = _bin_window(s, m)
-        y = fetch_window(y, s, windows)
-        lo, hi = partition(m, s.axis.size)[s.axis.index]
-        bins, first = bins[lo:hi], windows[s.axis.index][0]
-    weights = torch.zeros(len(bins), y.shape[s.dim], dtype=y.dtype, device=y.device)
-    full = adaptive_bins(s.size, m)
-    for r, ((a, b), (fa, fb)) in enumerate(zip(bins, full if partial else bins)):
-        if b > a:
-            weights[r, a - first : b - first] = 1.0 / (fb - fa)
+    y, _, _, _, partial = _rows_for_bins(y, s, m)
+    weights = _bin_weights(s.size, m, s.axis.size, s.axis.index, y.shape[s.dim], y.dtype, y.device)
     out = (y.movedim(s.dim, -1) @ weights.T).movedim(-1, s.dim)
     return all_reduce(out, s.axis.group) if partial else out
 
 
 def _adaptive_max_dim(y: torch.Tensor, flat: torch.Tensor | None, s: DimShard, m: int):
-    bins, first, partial = _bin_rows(s, m)
-    if not partial:
-        windows = _bin_window(s, m)
-        y = fetch_window(y, s, windows)
-        flat = fetch_window(flat, s, windows) if flat is not None else None
-        lo, hi = partition(m, s.axis.size)[s.axis.index]
-        bins, first = bins[lo:hi], windows[s.axis.index][0]
+    y, (flat,), bins, first, partial = _rows_for_bins(y, s, m, flat)
     values, where = [], []
     for a, b in bins:
         if b > a:
