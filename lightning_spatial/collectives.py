@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .layout import partition
 
@@ -26,6 +27,7 @@ class _AllReduce(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the collective carries no graph: refuse a second derivative rather than miss terms
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
@@ -62,6 +64,7 @@ class _AllGather(torch.autograd.Function):
         return torch.cat([p.narrow(dim, 0, b - a) for p, (a, b) in zip(pieces, bounds)], dim)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         # Reduce-scatter of the split gradients; all-reduce then slice keeps uneven shards simple.
         grad = grad.contiguous().clone()

@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .layout import partition, source_index
 from .tensor import DimShard
@@ -131,6 +132,7 @@ class _FetchWindow(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the messages carry no graph: a second derivative would miss the neighbours' terms
     def backward(ctx, grad: torch.Tensor):
         plan, dim = ctx.plan, ctx.dim
         sends = [(j, _select(grad, dim, pos).contiguous()) for j, pos, _ in plan.recvs]

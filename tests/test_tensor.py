@@ -107,3 +107,20 @@ def _fallback_case(layout):
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_unhandled_ops_fall_back_exactly_with_a_warning(layout):
     run_spmd(_fallback_case, LAYOUTS[layout][0], layout)
+
+
+def _double_backward_case():
+    from lightning_spatial.tensor import wrap
+
+    x = shard(torch.randn(1, 2, 4, 8), {-1: Axis.from_group()})
+    local, w = x.to_local().clone().requires_grad_(), torch.randn(2, 2, 3, 3)
+    halo = torch.nn.functional.conv2d(wrap(local, x.shard_layout), w, padding=1).to_local().square().sum()
+    reduction = wrap(local, x.shard_layout).square().sum().square()  # an all-reduce, no halo
+    for loss in (halo, reduction):
+        (grad_x,) = torch.autograd.grad(loss, local, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            grad_x.square().sum().backward()  # an input-gradient penalty: messages carry no graph, so refuse
+
+
+def test_second_derivative_through_communication_is_refused():
+    run_spmd(_double_backward_case, 2)

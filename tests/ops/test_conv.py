@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_spatial import Axis
-from tests.oracle import check
+from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
 LAYOUT_NAMES = list(LAYOUTS)
@@ -59,15 +59,51 @@ def test_conv2d(layout, kernel, stride, padding, dilation, groups):
     run_spmd(_conv2d_case, LAYOUTS[layout][0], layout, kernel, stride, padding, dilation, groups, width)
 
 
-def _thin_case(layout):
-    # width 7 over 3 ranks: shards of 3, 2, 2 rows, halo of 3: data comes from two ranks away
+def _thin_case(layout, size):
+    # halo of 3 wider than shards of 2 or 3 rows: data comes from two ranks away or is padding; in 2x2 tiles
+    # the strips of one dim are widened along the other (corners) with the same thin shards
     torch.manual_seed(3)
-    x, w = torch.randn(1, 2, 5, 7), torch.randn(3, 2, 7, 7)
+    x, w = torch.randn(1, 2, *size), torch.randn(3, 2, 7, 7)
     check(lambda x, w: F.conv2d(x, w, padding=3), [x, w], sharded=[0], axes=axes(layout))
+    check(lambda x, w: F.conv2d(x, w, stride=(1, 2), padding=3), [x, w], sharded=[0], axes=axes(layout))
 
 
-def test_conv2d_halo_wider_than_a_shard():
-    run_spmd(_thin_case, 3, "w3")
+@pytest.mark.parametrize("layout,size", [("w3", (5, 7)), ("2x2", (5, 4)), ("2x2", (3, 3))])
+def test_conv2d_halo_wider_than_a_shard(layout, size):
+    run_spmd(_thin_case, LAYOUTS[layout][0], layout, size)
+
+
+def _frozen_case(layout, freeze):
+    # a frozen layer (weight without grad) and a first layer (input without grad) skip their gradients
+    from lightning_spatial import gather, shard
+
+    torch.manual_seed(5)
+    x, w, b = torch.randn(2, 4, 9, 13), torch.randn(4, 1, 7, 7), torch.randn(4)
+    upstream = torch.randn(2, 4, 9, 13)
+    ref_x, ref_w = x.clone().requires_grad_(freeze != "input"), w.clone().requires_grad_(freeze != "weight")
+    (F.conv2d(ref_x, ref_w, b, padding=3, groups=4) * upstream).sum().backward()
+    ours_x, ours_w = shard(x, axes(layout)), w.clone().requires_grad_(freeze != "weight")
+    if freeze != "input":
+        ours_x.requires_grad_()
+    out = F.conv2d(ours_x, ours_w, b, padding=3, groups=4)
+    assert_rel_close(gather(out).detach(), F.conv2d(x, w, b, padding=3, groups=4), "output")
+    (out * shard(upstream, axes(layout))).to_local().sum().backward()  # each rank's part of the loss
+    if freeze == "input":
+        assert ours_x.grad is None
+        grad_w = ours_w.grad.clone()
+        torch.distributed.all_reduce(grad_w)  # the split-gradient convention: ranks' parts sum to the whole
+        assert_rel_close(grad_w, ref_w.grad, "weight grad")
+    else:
+        assert ours_w.grad is None
+        local = ref_x.grad[ours_x.shard_layout.local_slices(4)]
+        assert_rel_close(ours_x.grad, local, "input grad")
+
+
+@pytest.mark.parametrize("layout", ["w3", "2x2"])
+@pytest.mark.parametrize("freeze", ["input", "weight"])
+def test_conv2d_without_input_or_weight_gradient(layout, freeze):
+    run_spmd(_frozen_case, LAYOUTS[layout][0], layout, freeze)
+
 
 
 def _module_case(layout, mode, kernel, stride):
