@@ -101,7 +101,15 @@ class SpatialParallelStrategy(DDPStrategy):
         names = {-2: ("spatial_h", self.dims.spatial_h), -1: ("spatial_w", self.dims.spatial_w)}
         self.axes = {dim: Axis.from_group(self.mesh.get_group(name)) for dim, (name, n) in names.items() if n > 1}
         self._data_axis = Axis.from_group(self.mesh.get_group("data"))
+        self._connect_axes()
         self._share_random_stream()
+
+    def _connect_axes(self) -> None:
+        """One collective per spatial axis group, with all its ranks: NCCL creates a group's communicator at
+        its first call, and a first ``batch_isend_irecv`` must include every rank of the group, while a halo
+        exchange may leave out ranks whose window is their own rows."""
+        for axis in self.axes.values():
+            dist.all_reduce(torch.zeros(1, device=self.root_device), group=axis.group)
 
     def _share_random_stream(self) -> None:
         """Give every rank its spatial group leader's RNG state (CPU and current CUDA device)."""
