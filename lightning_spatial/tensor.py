@@ -21,6 +21,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -118,10 +119,7 @@ class Layout:
 
     def with_sizes(self, sizes: Mapping[int, int]) -> Layout | None:
         """Same axes with new global sizes; a size of ``None`` drops that dim's sharding (replicated)."""
-        shards = [
-            DimShard(s.dim, s.axis, sizes.get(s.dim, s.size)) for s in self.shards if sizes.get(s.dim, 0) is not None
-        ]
-        return Layout(tuple(shards)) if shards else None
+        return _with_sizes(self, tuple(sizes.items()))
 
     def local_slices(self, ndim: int) -> tuple[slice, ...]:
         index = [slice(None)] * ndim
@@ -131,6 +129,14 @@ class Layout:
 
     def describe(self) -> str:
         return ", ".join(f"dim {s.dim} ({s.size} over {s.axis.size} ranks {s.axis.ranks})" for s in self.shards)
+
+
+@lru_cache(maxsize=4096)
+def _with_sizes(layout: Layout, sizes: tuple[tuple[int, int | None], ...]) -> Layout | None:
+    """``Layout.with_sizes``, built once per layout and sizes: ops call it every step."""
+    new = dict(sizes)
+    shards = [DimShard(s.dim, s.axis, new.get(s.dim, s.size)) for s in layout.shards if new.get(s.dim, 0) is not None]
+    return Layout(tuple(shards)) if shards else None
 
 
 class SpatialTensor(torch.Tensor):
@@ -249,11 +255,14 @@ def localize(func: Callable, t: Any, layout: Layout) -> Any:
 def _elementwise(func, args, kwargs):
     layout = common_layout(func, [*args, *kwargs.values()])
     args = [localize(func, a, layout) for a in args]
-    kwargs = {k: localize(func, v, layout) for k, v in kwargs.items()}
+    if kwargs:
+        kwargs = {k: localize(func, v, layout) for k, v in kwargs.items()}
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
     if args and out is args[0]:  # in-place: the operand already carries its layout
         return out
+    if type(out) is torch.Tensor:  # the common case, without a pytree walk
+        return wrap(out, layout)
     return tree_map(lambda o: wrap(o, layout) if isinstance(o, torch.Tensor) else o, out)
 
 

@@ -6,11 +6,15 @@ reach us as ``F.pad`` (that is how ``nn.Conv2d`` applies them), handled in ``ops
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
+from ..halo import fetch_window
 from ..layout import conv_out_size, conv_window, partition, transposed_window
-from ..tensor import unwrap, wrap
+from ..tensor import DimShard, Layout, unwrap, wrap
 from ._common import check_output_size, fetch_windows, ntuple, output_layout, require_replicated, spatial_shards
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -36,8 +40,36 @@ def _conv_padding(padding, kernel, stride, dilation, nd, op) -> tuple[tuple[int,
         return tuple(t // 2 for t in total), tuple(t - t // 2 for t in total)
     if isinstance(padding, str):
         raise ValueError(f"{op}: invalid padding string {padding!r}, expected 'same' or 'valid'")
-    pad = ntuple(padding, nd, "padding")
-    return pad, pad
+    return padding, padding
+
+
+@dataclass(frozen=True)
+class _ConvPlan:
+    fetches: tuple[tuple[DimShard, tuple[tuple[int, int], ...]], ...]  # (shard, every rank's input window)
+    pad: tuple[int, ...] | None  # F.pad of an asymmetric 'same' padding on an unsharded dim
+    padding: tuple[int, ...]  # the local convolution's padding
+    layout: Layout | None  # the output's
+
+
+@lru_cache(maxsize=1024)
+def _conv_plan(op, nd, layout: Layout, shards, kernel, stride, dilation, padding) -> _ConvPlan:
+    """Windows and local padding of one convolution call, built once per layout and arguments."""
+    shards = dict(shards)
+    lo, hi = _conv_padding(padding, kernel, stride, dilation, nd, op)
+    out_sizes = {i: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i]) for i, s in shards.items()}
+    for i, s in shards.items():
+        check_output_size(op, s, out_sizes[i])
+    fetches = []
+    for i, s in shards.items():
+        bounds = partition(out_sizes[i], s.axis.size)
+        fetches.append((s, tuple(conv_window(a, b, kernel[i], stride[i], lo[i], dilation[i]) for a, b in bounds)))
+    local_lo = [0 if i in shards else lo[i] for i in range(nd)]
+    local_hi = [0 if i in shards else hi[i] for i in range(nd)]
+    pad = None
+    if local_lo != local_hi:  # asymmetric 'same' padding on an unsharded dim
+        pad = tuple(p for i in reversed(range(nd)) for p in (local_lo[i], local_hi[i]))
+        local_lo = [0] * nd
+    return _ConvPlan(tuple(fetches), pad, tuple(local_lo), output_layout(layout, shards, out_sizes))
 
 
 def _convolution(nd: int):
@@ -46,26 +78,16 @@ def _convolution(nd: int):
     def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         x, layout = unwrap(input)
         require_replicated(op, weight=weight, bias=bias)
-        kernel = tuple(weight.shape[2:])
         stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
-        lo, hi = _conv_padding(padding, kernel, stride, dilation, nd, op)
-        shards = spatial_shards(op, x, layout, nd)
-        out_sizes = {
-            i: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i]) for i, s in shards.items()
-        }
-        for i, s in shards.items():
-            check_output_size(op, s, out_sizes[i])
+        padding = padding if isinstance(padding, str) else ntuple(padding, nd, "padding")
+        shards = tuple(spatial_shards(op, x, layout, nd).items())
+        plan = _conv_plan(op, nd, layout, shards, tuple(weight.shape[2:]), stride, dilation, padding)
         x = autocast_input(x)
-        x = fetch_windows(
-            x, shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], lo[i], dilation[i])
-        )
-        local_lo = [0 if i in shards else lo[i] for i in range(nd)]
-        local_hi = [0 if i in shards else hi[i] for i in range(nd)]
-        if local_lo != local_hi:  # asymmetric 'same' padding on an unsharded dim
-            x = F.pad(x, [p for i in reversed(range(nd)) for p in (local_lo[i], local_hi[i])])
-            local_lo = [0] * nd
-        out = _CONV[nd](x, weight, bias, stride, local_lo, dilation, groups)
-        return wrap(out, output_layout(layout, shards, out_sizes))
+        for shard, windows in plan.fetches:
+            x = fetch_window(x, shard, windows)
+        if plan.pad is not None:
+            x = F.pad(x, plan.pad)
+        return wrap(_CONV[nd](x, weight, bias, stride, plan.padding, dilation, groups), plan.layout)
 
     conv.__name__ = op
     return conv

@@ -9,6 +9,7 @@ before it is unchanged and it keeps its own size.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -86,13 +87,24 @@ def _permute_op(func):
 
     def permute(input, *args, **kwargs):
         x, layout = unwrap(input)
-        ndim = x.dim()
-        probe = torch.empty(list(range(2, 2 + ndim)), device="meta")  # distinct sizes reveal the permutation
-        order = [n - 2 for n in func(probe, *args, **kwargs).shape]
-        shards = [DimShard(order.index(ndim + s.dim) - ndim, s.axis, s.size) for s in layout.shards]
-        return wrap(func(x, *args, **kwargs), Layout(tuple(shards)))
+        call = (_freeze(args), _freeze(tuple(sorted(kwargs.items()))))
+        return wrap(func(x, *args, **kwargs), _moved(func, layout, x.dim(), call))
 
     return permute
+
+
+@lru_cache(maxsize=1024)
+def _moved(func, layout: Layout, ndim: int, call: tuple) -> Layout:
+    """``layout`` after ``func`` permutes the dims, once per call signature (no probe every step)."""
+    args, kwargs = call
+    probe = torch.empty(list(range(2, 2 + ndim)), device="meta")  # distinct sizes reveal the permutation
+    order = [n - 2 for n in func(probe, *args, **dict(kwargs)).shape]
+    return Layout(tuple(DimShard(order.index(ndim + s.dim) - ndim, s.axis, s.size) for s in layout.shards))
+
+
+def _freeze(value):
+    """Dim lists as tuples, so that permute arguments can key a cache."""
+    return tuple(_freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _expand(func):

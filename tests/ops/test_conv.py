@@ -105,7 +105,6 @@ def test_conv2d_without_input_or_weight_gradient(layout, freeze):
     run_spmd(_frozen_case, LAYOUTS[layout][0], layout, freeze)
 
 
-
 def _module_case(layout, mode, kernel, stride):
     # the unchanged nn.Conv2d module: non-zero padding modes reach us as F.pad, then conv2d(padding=0)
     torch.manual_seed(11)

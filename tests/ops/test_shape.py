@@ -22,6 +22,9 @@ LOCAL_OPS = {  # keep every sharded dim whole: must run without a fallback
     "split_stack_unbind": lambda x, w: torch.stack(x.split([1, 3], 1)[1].unbind(1), 1) * w[1, 1],
     "movedim_expand": lambda x, w: x.movedim(1, -1).unsqueeze(1).expand(-1, 2, -1, -1, -1).sum(1) * w[1, 2],
     "flatten_channels": lambda x, w: x.view(2, 2, 2, *x.shape[2:]).flatten(1, 2) * w[2, 0],
+    # the same arguments twice on different layouts (permutations are cached per layout and arguments)
+    "permute_list_twice": lambda x, w: x.permute([0, 1, 3, 2]).permute([0, 1, 3, 2]) * w[2, 1],
+    "movedim_keywords": lambda x, w: x.movedim(source=(1, 2), destination=(3, 1)) * w[2, 2],
 }
 
 GATHER_OPS = {  # merge or cut a sharded dim: exact through the gather fallback

@@ -1,0 +1,86 @@
+"""Host time per op, plain tensor vs SpatialTensor: the Python our dispatch adds to every op.
+
+When a rank's GPU work per step is short (bf16 ConvNeXt-XL at S=8: 75 ms), this per-op host time decides
+the step time (docs/benchmarks.md). Tiny CPU tensors keep compute negligible; one process with PyTorch's
+``fake`` process group (halo messages skipped, as in benchmark.py) stands for an interior rank of
+``--spatial`` ranks sharded along the width:
+
+    python recipes/dispatch_overhead.py --calls 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import timm
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_spatial import Axis
+from lightning_spatial.tensor import DimShard, Layout, wrap
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=2000, help="calls per op and repeat")
+    p.add_argument("--repeats", type=int, default=5, help="the median of this many timings is reported")
+    p.add_argument("--spatial", type=int, default=8)
+    p.add_argument("--model", default="convnext_atto", help="also time one forward of this timm model")
+    return p.parse_args()
+
+
+def per_call_us(fn, x, calls: int, repeats: int) -> float:
+    for _ in range(max(calls // 10, 1)):
+        fn(x)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def main() -> None:
+    args = parse()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", rank=1, world_size=args.spatial, store=FakeStore())
+    dist.batch_isend_irecv = lambda ops: []  # nothing arrives through the fake backend anyway
+    channels, width = 8, 8 * args.spatial
+    layout = Layout((DimShard(-1, Axis.from_group(), width),))
+    x = torch.randn(1, channels, 4, 8)
+    depthwise, norm = torch.randn(channels, 1, 7, 7), torch.randn(channels)
+    fc, scale = torch.nn.Linear(channels, 4 * channels), torch.randn(1, channels, 1, 1)
+    ops = {
+        "conv2d 7x7 depthwise (halo)": lambda t: F.conv2d(t, depthwise, padding=3, groups=channels),
+        "permute": lambda t: t.permute(0, 2, 3, 1),
+        "layer_norm (channels last)": lambda t: F.layer_norm(t.permute(0, 2, 3, 1), (channels,), norm, norm),
+        "linear (channels last)": lambda t: fc(t.permute(0, 2, 3, 1)),
+        "gelu": F.gelu,
+        "mul by a replicated tensor": lambda t: t * scale,
+        "add": lambda t: t + t,
+        "shape": lambda t: t.shape,
+    }
+    print(f"{'op':32} {'plain us':>9} {'sharded us':>11} {'added us':>9}")
+    for name, fn in ops.items():
+        plain = per_call_us(fn, x, args.calls, args.repeats)
+        sharded = per_call_us(fn, wrap(x, layout), args.calls, args.repeats)
+        print(f"{name:32} {plain:9.1f} {sharded:11.1f} {sharded - plain:9.1f}", flush=True)
+    model = timm.create_model(args.model, pretrained=False, num_classes=10)
+    shard = torch.randn(1, 3, 32, 128)  # rank 1's columns of a 32 x 128*S image: no stage is thinner than a halo
+    image_layout = Layout((DimShard(-1, Axis.from_group(), 128 * args.spatial),))
+    calls = max(args.calls // 200, 1)
+    with torch.no_grad():
+        plain = per_call_us(model, shard, calls, args.repeats) / 1e3
+        sharded = per_call_us(model, wrap(shard, image_layout), calls, args.repeats) / 1e3
+    print(f"{args.model + ' forward (ms)':32} {plain:9.2f} {sharded:11.2f} {sharded - plain:9.2f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
