@@ -141,7 +141,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         "precision": precision,
         "ckpt": ckpt,
         "rank": rank,
-        "backend": "nccl" if real else "fake",
+        "backend": dist.get_backend() if real else "fake",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     gen = torch.Generator(device=device).manual_seed(rank)

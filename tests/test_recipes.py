@@ -81,6 +81,27 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     assert all(r["halo_mib_per_step"] > 0 and r["ours_ms"] > 0 for r in rows)
 
 
+@pytest.mark.slow
+def test_benchmark_under_torchrun(tmp_path):
+    """The N-GPU path (real halos and gradient all-reduce between processes), here gloo on 2 CPU ranks."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "recipes" / "benchmark.py"),
+        *("--device", "cpu", "--model", "convnext_atto", "--batch", "1", "--height", "64", "--widths", "256"),
+        *("--spatial", "2", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)),
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert row["backend"] == "gloo" and row["rank"] == 0  # one row, written by rank 0
+    assert row["spatial"] == 2 and row["halo_mib_per_step"] > 0 and row["ours_ms"] > 0 and row["shard_ms"] > 0
+
+
 def test_dispatch_overhead_smoke():
     """The per-op host-time script runs every op on plain and sharded tensors; no timing is asserted."""
     cmd = [sys.executable, str(ROOT / "recipes" / "dispatch_overhead.py"), "--calls", "20", "--repeats", "1"]
