@@ -419,7 +419,9 @@ _LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
 
 
 def _global_size(x: SpatialTensor, dim: int | None = None):
-    shape = x._layout.global_shape(x.to_local().shape)
+    with torch._C.DisableTorchFunctionSubclass():
+        local = x.shape  # the shard's own sizes, without making a plain alias of it
+    shape = x._layout.global_shape(local)
     return shape if dim is None else shape[dim]
 
 
