@@ -36,6 +36,17 @@ def run(*overrides: str, tmp_path: Path, flags: tuple[str, ...] = ()) -> str:
     return done.stdout
 
 
+def torchrun_2(script: str, *args: str, cwd: Path | None = None) -> str:
+    """Run ``recipes/<script>`` on 2 processes under torchrun (rendezvous on this machine); its stdout."""
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    done = subprocess.run(
+        [*cmd, str(ROOT / "recipes" / script), *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [(), ("model=convnext_atto",), ("strategy=single", "trainer.devices=1")])
 def test_train_recipe(overrides, tmp_path):
@@ -84,19 +95,11 @@ def test_benchmark_smoke_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_benchmark_under_torchrun(tmp_path):
     """The N-GPU path (real halos and gradient all-reduce between processes), here gloo on 2 CPU ranks."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [
-        str(torchrun),
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "recipes" / "benchmark.py"),
+    torchrun_2(
+        "benchmark.py",
         *("--device", "cpu", "--model", "convnext_atto", "--batch", "1", "--height", "64", "--widths", "256"),
         *("--spatial", "2", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)),
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    )
     (row,) = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert row["backend"] == "gloo" and row["rank"] == 0  # one row, written by rank 0
     assert row["spatial"] == 2 and row["halo_mib_per_step"] > 0 and row["ours_ms"] > 0 and row["shard_ms"] > 0
@@ -126,18 +129,5 @@ def test_notebook_runs(tmp_path):
 @pytest.mark.slow
 def test_train_recipe_under_torchrun(tmp_path):
     """Launched by torchrun, Lightning's TorchElasticEnvironment supplies the ranks (as on a GPU cluster)."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [
-        str(torchrun),
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "recipes" / "train.py"),
-        *TOY,
-        "strategy.start_method=popen",
-        f"hydra.run.dir={tmp_path}",
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("final metrics:") == 2
+    out = torchrun_2("train.py", *TOY, "strategy.start_method=popen", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert out.count("final metrics:") == 2
