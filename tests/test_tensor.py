@@ -116,7 +116,9 @@ def _double_backward_case():
     local, w = x.to_local().clone().requires_grad_(), torch.randn(2, 2, 3, 3)
     halo = torch.nn.functional.conv2d(wrap(local, x.shard_layout), w, padding=1).to_local().square().sum()
     reduction = wrap(local, x.shard_layout).square().sum().square()  # an all-reduce, no halo
-    for loss in (halo, reduction):
+    with pytest.warns(UserWarning, match="no spatial handler"):
+        gathered = wrap(local, x.shard_layout).square().cumsum(-1).to_local().square().sum()  # the fallback's gather
+    for loss in (halo, reduction, gathered):
         (grad_x,) = torch.autograd.grad(loss, local, create_graph=True)
         with pytest.raises(RuntimeError, match="once_differentiable"):
             grad_x.square().sum().backward()  # an input-gradient penalty: messages carry no graph, so refuse
