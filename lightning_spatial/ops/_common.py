@@ -51,6 +51,27 @@ def check_output_size(op: str, shard: DimShard, out_size: int) -> None:
         )
 
 
+Fetches = tuple[tuple[DimShard, tuple[tuple[int, int], ...]], ...]  # per sharded dim: every rank's window
+
+
+def window_plan(
+    shards: dict[int, DimShard], out_sizes: dict[int, int], window: Callable[[int, int, int], tuple[int, int]]
+) -> Fetches:
+    """For each sharded spatial dim ``i``, the input rows ``window(i, lo, hi)`` that produce every rank's
+    output rows ``[lo, hi)`` (output partitioned by the rule)."""
+    return tuple(
+        (s, tuple(window(i, lo, hi) for lo, hi in partition(out_sizes[i], s.axis.size))) for i, s in shards.items()
+    )
+
+
+def fetch_planned(x: torch.Tensor, fetches: Fetches, mode: str = "zeros", fill: float = 0.0) -> torch.Tensor:
+    """Fetch the windows of ``window_plan`` one dim after the other, so 2-D tiles receive their corners
+    from the already widened tensor."""
+    for s, windows in fetches:
+        x = fetch_window(x, s, windows, mode, fill)
+    return x
+
+
 def fetch_windows(
     x: torch.Tensor,
     shards: dict[int, DimShard],
@@ -59,13 +80,8 @@ def fetch_windows(
     mode: str = "zeros",
     fill: float = 0.0,
 ) -> torch.Tensor:
-    """For each sharded spatial dim ``i``, fetch the input rows ``window(i, lo, hi)`` that produce every
-    rank's output rows ``[lo, hi)`` (output partitioned by the rule). One dim after the other, so 2-D
-    tiles receive their corners from the already widened tensor."""
-    for i, s in shards.items():
-        windows = [window(i, lo, hi) for lo, hi in partition(out_sizes[i], s.axis.size)]
-        x = fetch_window(x, s, windows, mode, fill)
-    return x
+    """``fetch_planned`` of ``window_plan``: the sliding-window fetch of one op call."""
+    return fetch_planned(x, window_plan(shards, out_sizes, window), mode, fill)
 
 
 def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:

@@ -12,10 +12,19 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..halo import fetch_window
 from ..layout import conv_out_size, conv_window, partition, transposed_window
-from ..tensor import DimShard, Layout, unwrap, wrap
-from ._common import check_output_size, fetch_windows, ntuple, output_layout, require_replicated, spatial_shards
+from ..tensor import Layout, unwrap, wrap
+from ._common import (
+    Fetches,
+    check_output_size,
+    fetch_planned,
+    fetch_windows,
+    ntuple,
+    output_layout,
+    require_replicated,
+    spatial_shards,
+    window_plan,
+)
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -45,7 +54,7 @@ def _conv_padding(padding, kernel, stride, dilation, nd, op) -> tuple[tuple[int,
 
 @dataclass(frozen=True)
 class _ConvPlan:
-    fetches: tuple[tuple[DimShard, tuple[tuple[int, int], ...]], ...]  # (shard, every rank's input window)
+    fetches: Fetches
     pad: tuple[int, ...] | None  # F.pad of an asymmetric 'same' padding on an unsharded dim
     padding: tuple[int, ...]  # the local convolution's padding
     layout: Layout | None  # the output's
@@ -59,17 +68,18 @@ def _conv_plan(op, nd, layout: Layout, shards, kernel, stride, dilation, padding
     out_sizes = {i: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i]) for i, s in shards.items()}
     for i, s in shards.items():
         check_output_size(op, s, out_sizes[i])
-    fetches = []
-    for i, s in shards.items():
-        bounds = partition(out_sizes[i], s.axis.size)
-        fetches.append((s, tuple(conv_window(a, b, kernel[i], stride[i], lo[i], dilation[i]) for a, b in bounds)))
+
+    def window(i: int, a: int, b: int) -> tuple[int, int]:
+        return conv_window(a, b, kernel[i], stride[i], lo[i], dilation[i])
+
+    fetches = window_plan(shards, out_sizes, window)
     local_lo = [0 if i in shards else lo[i] for i in range(nd)]
     local_hi = [0 if i in shards else hi[i] for i in range(nd)]
     pad = None
     if local_lo != local_hi:  # asymmetric 'same' padding on an unsharded dim
         pad = tuple(p for i in reversed(range(nd)) for p in (local_lo[i], local_hi[i]))
         local_lo = [0] * nd
-    return _ConvPlan(tuple(fetches), pad, tuple(local_lo), output_layout(layout, shards, out_sizes))
+    return _ConvPlan(fetches, pad, tuple(local_lo), output_layout(layout, shards, out_sizes))
 
 
 def _convolution(nd: int):
@@ -83,8 +93,7 @@ def _convolution(nd: int):
         shards = tuple(spatial_shards(op, x, layout, nd).items())
         plan = _conv_plan(op, nd, layout, shards, tuple(weight.shape[2:]), stride, dilation, padding)
         x = autocast_input(x)
-        for shard, windows in plan.fetches:
-            x = fetch_window(x, shard, windows)
+        x = fetch_planned(x, plan.fetches)
         if plan.pad is not None:
             x = F.pad(x, plan.pad)
         return wrap(_CONV[nd](x, weight, bias, stride, plan.padding, dilation, groups), plan.layout)
