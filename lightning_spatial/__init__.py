@@ -9,11 +9,11 @@ from __future__ import annotations
 from . import ops
 from .collectives import all_gather, all_reduce
 from .halo import fetch_window
-from .layout import partition
+from .layout import Axis, DimShard, Layout, LayoutError, partition
 from .mesh import SpatialDims
 from .sharding import shard_batch
 from .strategies import HorovodStrategy, SpatialParallelStrategy
-from .tensor import Axis, DimShard, Layout, LayoutError, SpatialTensor, gather, shard
+from .tensor import SpatialFallbackWarning, SpatialTensor, fallback_mode, gather, shard
 
 ops.install()
 
@@ -37,10 +37,12 @@ __all__ = [
     "Layout",
     "LayoutError",
     "SpatialDims",
+    "SpatialFallbackWarning",
     "SpatialParallelStrategy",
     "SpatialTensor",
     "all_gather",
     "all_reduce",
+    "fallback_mode",
     "fetch_window",
     "gather",
     "partition",

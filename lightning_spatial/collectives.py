@@ -7,6 +7,8 @@ all-gather (the fallback for unhandled ops) has a reduce-scatter as adjoint.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
@@ -46,6 +48,22 @@ def all_reduce(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tenso
     return _AllReduce.apply(x, group, op)
 
 
+def across(x: torch.Tensor, axes: Iterable, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Differentiable all-reduce of a partial result over several mesh axes (``Axis`` or anything with an
+    ``.axis``, e.g. the ``DimShard``s of the reduced dims), one after the other for 2-D tiles."""
+    for a in axes:
+        x = all_reduce(x, getattr(a, "axis", a).group, op)
+    return x
+
+
+def across_detached(x: torch.Tensor, axes: Iterable, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``across`` for values that need no gradient (a softmax shift, an index, a count): in place, no graph."""
+    x = x.detach().clone()
+    for a in axes:
+        dist.all_reduce(x, op=op, group=getattr(a, "axis", a).group)
+    return x
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
@@ -78,4 +96,4 @@ def all_gather(x: torch.Tensor, dim: int, group, global_size: int) -> torch.Tens
     return _AllGather.apply(x, dim, group, global_size)
 
 
-__all__ = ["all_gather", "all_reduce"]
+__all__ = ["across", "across_detached", "all_gather", "all_reduce"]

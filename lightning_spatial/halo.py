@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .layout import partition, source_index
-from .tensor import DimShard
+from .layout import DimShard, partition, source_index
 
 # A selection along the dim: a ``range`` for a contiguous run (narrow), else a tuple of indices.
 Selection = range | tuple[int, ...]

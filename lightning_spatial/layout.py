@@ -1,14 +1,220 @@
-"""Partition rule and window arithmetic: pure functions, no communication.
+"""The data model of a sharded tensor and the arithmetic it needs: pure, no communication.
 
-Every sharded dim of global size ``n`` over ``parts`` ranks is split like ``torch.tensor_split``: the first
-``n % parts`` ranks get one extra row. Every op's *output* follows the same rule for its output size, so any
-chain of ops gathers to exactly the single-device tensor. An op then only needs, per rank, the window
-``[a, b)`` of its input's global dim that produces that rank's output rows; ``halo.fetch_window`` moves it.
+``Layout`` says which dims of a tensor are sharded over which mesh ``Axis``. Every sharded dim of global size
+``n`` over ``parts`` ranks is split like ``torch.tensor_split``: the first ``n % parts`` ranks get one extra row.
+Every op's *output* follows the same rule for its output size, so any chain of ops gathers to exactly the
+single-device tensor. An op then only needs, per rank, the window ``[a, b)`` of its input's global dim that
+produces that rank's output rows; ``halo.fetch_window`` moves it.
+
+A dim may also be *merged*: camera tokens ``x.flatten(2)`` of a width-sharded ``(B, C, h, w)`` map hold, on
+each rank, the tokens of its columns in single-device order. A ``DimShard`` then describes one sharded
+*factor* of its dim (``outer`` and ``inner`` are the global sizes of the factors around it), so the global
+token order stays what one device would have and a later ``view(B, C, h, w)`` finds the spatial layout again.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """Raised before any communication when tensors or arguments cannot be sharded as asked."""
+
+
+# Process groups by their global ranks: an Axis pickles as plain ranks (DataLoader workers build
+# layouts) and finds its group again in the process that communicates.
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One mesh axis as seen from this rank: its global ranks (in group order) and our index among them."""
+
+    ranks: tuple[int, ...]
+    index: int
+
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup | None = None) -> Axis:
+        group = group or dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(group))
+        _GROUPS[ranks] = group
+        return cls(ranks, dist.get_rank(group))
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        try:
+            return _GROUPS[self.ranks]
+        except KeyError:
+            raise RuntimeError(
+                f"no process group for ranks {self.ranks} in this process; build it with Axis.from_group"
+            ) from None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class DimShard:
+    """A factor of global size ``size`` of tensor dim ``dim`` (negative) is split over ``axis``.
+
+    A plain sharded dim is its own single factor. A merged dim (tokens) is ``outer x size x inner`` in
+    row-major order, ``outer`` and ``inner`` being global sizes; only this factor is cut by this shard.
+    """
+
+    dim: int
+    axis: Axis
+    size: int
+    outer: int = 1
+    inner: int = 1
+
+    @property
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        return partition(self.size, self.axis.size)
+
+    @property
+    def start(self) -> int:
+        return self.bounds[self.axis.index][0]
+
+    @property
+    def stop(self) -> int:
+        return self.bounds[self.axis.index][1]
+
+    @property
+    def extent(self) -> int:
+        """The global size of the tensor dim."""
+        return self.outer * self.size * self.inner
+
+    @property
+    def merged(self) -> bool:
+        return self.outer > 1 or self.inner > 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which dims of a tensor are sharded (negative dims), each factor over its own mesh axis."""
+
+    shards: tuple[DimShard, ...]
+
+    def __post_init__(self) -> None:
+        shards = tuple(sorted(self.shards, key=lambda s: (s.dim, s.outer)))
+        if any(s.dim >= 0 for s in shards):
+            raise LayoutError(f"sharded dims must be negative, got {[s.dim for s in shards]}")
+        axes = [s.axis.ranks for s in shards]
+        if len(set(axes)) != len(axes):
+            raise LayoutError("two dims cannot be sharded over the same mesh axis")
+        for dim in {s.dim for s in shards}:
+            _factors(tuple(s for s in shards if s.dim == dim))  # validates that the factors nest
+        object.__setattr__(self, "shards", shards)
+
+    def get(self, dim: int) -> DimShard | None:
+        """The shard of a plain (unmerged) sharded dim; ``None`` if ``dim`` is not sharded."""
+        for s in self.shards:
+            if s.dim == dim:
+                return s
+        return None
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return tuple(sorted({s.dim for s in self.shards}))
+
+    def on(self, dim: int) -> tuple[DimShard, ...]:
+        return tuple(s for s in self.shards if s.dim == dim)
+
+    @property
+    def merged(self) -> bool:
+        return any(s.merged for s in self.shards)
+
+    def factors(self, dim: int) -> tuple[tuple[int, DimShard | None], ...]:
+        """The factors of a sharded dim in row-major order: ``(global size, shard or None)``."""
+        return _factors(self.on(dim))
+
+    def global_shape(self, local: torch.Tensor | torch.Size) -> torch.Size:
+        shape = list(local.shape if isinstance(local, torch.Tensor) else local)
+        for s in self.shards:
+            shape[s.dim] = s.extent
+        return torch.Size(shape)
+
+    def local_shape(self, shape) -> list[int]:
+        """This rank's sizes of a tensor of global ``shape`` with this layout."""
+        shape = list(shape)
+        for dim in self.dims:
+            shape[dim] = math.prod(s.stop - s.start if s else n for n, s in self.factors(dim))
+        return shape
+
+    def take_local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full (replicated) tensor: its rows of every sharded factor."""
+        for dim in self.dims:
+            factors = self.factors(dim)
+            if len(factors) == 1:
+                s = factors[0][1]
+                full = full.narrow(dim, s.start, s.stop - s.start)
+                continue
+            pos = full.dim() + dim
+            split = full.unflatten(pos, [n for n, _ in factors])
+            for k, (_, s) in enumerate(factors):
+                if s is not None:
+                    split = split.narrow(pos + k, s.start, s.stop - s.start)
+            full = split.flatten(pos, pos + len(factors) - 1)
+        return full
+
+    def local_slices(self, ndim: int) -> tuple[slice, ...]:
+        """Basic-indexing slices of this rank's part (plain sharded dims only; see ``take_local``)."""
+        if self.merged:
+            raise LayoutError(f"layout [{self.describe()}] has merged (token) dims: use take_local")
+        index = [slice(None)] * ndim
+        for s in self.shards:
+            index[s.dim] = slice(s.start, s.stop)
+        return tuple(index)
+
+    def with_sizes(self, sizes: Mapping[int, int | None]) -> Layout | None:
+        """Same axes with new global sizes of plain dims; a size of ``None`` drops that dim's sharding."""
+        return _with_sizes(self, tuple(sizes.items()))
+
+    def moved(self, dims: Mapping[int, int]) -> Layout | None:
+        """The same shards on other tensor dims (``old -> new``); dims missing from ``dims`` are dropped."""
+        shards = tuple(replace(s, dim=dims[s.dim]) for s in self.shards if s.dim in dims)
+        return Layout(shards) if shards else None
+
+    def describe(self) -> str:
+        def one(s: DimShard) -> str:
+            merged = f" of {s.outer}x[{s.size}]x{s.inner} tokens" if s.merged else ""
+            return f"dim {s.dim}{merged} ({s.size} over {s.axis.size} ranks {s.axis.ranks})"
+
+        return ", ".join(one(s) for s in self.shards)
+
+
+@lru_cache(maxsize=4096)
+def _factors(shards: tuple[DimShard, ...]) -> tuple[tuple[int, DimShard | None], ...]:
+    extent, out, done = shards[0].extent, [], 1
+    for s in sorted(shards, key=lambda s: s.outer):
+        if s.extent != extent or s.outer % done:
+            raise LayoutError(f"sharded factors of dim {s.dim} do not nest: {shards}")
+        if s.outer > done:
+            out.append((s.outer // done, None))
+        out.append((s.size, s))
+        done = s.outer * s.size
+    if extent % done:
+        raise LayoutError(f"sharded factors of dim {shards[0].dim} do not nest: {shards}")
+    if extent > done:
+        out.append((extent // done, None))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _with_sizes(layout: Layout, sizes: tuple[tuple[int, int | None], ...]) -> Layout | None:
+    """``Layout.with_sizes``, built once per layout and sizes: ops call it every step."""
+    new = dict(sizes)
+    shards = [replace(s, size=new.get(s.dim, s.size)) for s in layout.shards if new.get(s.dim, 0) is not None]
+    return Layout(tuple(shards)) if shards else None
+
 
 PAD_MODES = ("zeros", "constant", "reflect", "replicate", "circular")
 
@@ -90,6 +296,10 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = [
     "PAD_MODES",
+    "Axis",
+    "DimShard",
+    "Layout",
+    "LayoutError",
     "adaptive_bins",
     "ceil_div",
     "check_padding",

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
-from .tensor import Axis, LayoutError, shard, wrap
+from .layout import Axis, LayoutError
+from .tensor import shard, wrap
 
 Select = Callable[[str, torch.Tensor], bool]
 

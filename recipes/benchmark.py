@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from lightning_spatial import Axis, SpatialDims
 from lightning_spatial.halo import HaloStats
-from lightning_spatial.layout import partition
-from lightning_spatial.tensor import DimShard, Layout, wrap
+from lightning_spatial.layout import DimShard, Layout, partition
+from lightning_spatial.tensor import wrap
 
 GIB = 2**30
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_spatial import Axis
-from lightning_spatial.tensor import DimShard, Layout, wrap
+from lightning_spatial.layout import DimShard, Layout
+from lightning_spatial.tensor import wrap
 
 
 def parse() -> argparse.Namespace:

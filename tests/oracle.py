@@ -78,7 +78,7 @@ def check(
         if isinstance(o, SpatialTensor):
             layout = o.shard_layout
             copies = world // torch.Size([s.axis.size for s in layout.shards]).numel()
-            loss = loss + (o.to_local() * g[layout.local_slices(g.dim())]).sum() / copies
+            loss = loss + (o.to_local() * layout.take_local(g)).sum() / copies
         else:
             loss = loss + (o * g).sum() / world
     if not isinstance(ref_loss, torch.Tensor):  # integer outputs only (indices): nothing to differentiate
@@ -90,7 +90,7 @@ def check(
         if expected is None:
             continue
         if layout is not None:
-            assert_rel_close(local.grad, expected[layout.local_slices(expected.dim())], f"grad of input {i}")
+            assert_rel_close(local.grad, layout.take_local(expected), f"grad of input {i}")
         else:
             total = local.grad.clone()
             dist.all_reduce(total)

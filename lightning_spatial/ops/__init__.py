@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ..tensor import HANDLERS
-from . import conv, loss, norm, pad, pool, random, reduce, resample, shape
+from . import conv, elementwise, loss, norm, pad, pool, queries, random, reduce, resample, shape
 
-FAMILIES = (conv, pad, pool, norm, resample, random, reduce, shape, loss)
+# Later families override earlier ones (e.g. ``shape`` handles the ``mT`` property ``queries`` would answer).
+FAMILIES = (elementwise, queries, conv, pad, pool, norm, resample, random, reduce, shape, loss)
 
 
 def install() -> None:

@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..halo import fetch_window
-from ..layout import partition
-from ..tensor import DimShard, Layout, LayoutError, SpatialTensor
+from ..layout import DimShard, Layout, LayoutError, partition
+from ..tensor import SpatialTensor
 
 
 def ntuple(value: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
@@ -33,6 +33,12 @@ def spatial_shards(op: str, x: torch.Tensor, layout: Layout, nd: int) -> dict[in
     out = {}
     for s in layout.shards:
         i = s.dim + nd
+        if s.merged:
+            raise LayoutError(
+                f"{op}: dim {s.dim} of the input {tuple(layout.global_shape(x))} holds tokens merged from a sharded "
+                f"dim ({s.outer} x {s.size} x {s.inner}); {op} needs spatial neighbours: view the tokens as the "
+                "spatial map again (e.g. x.view(B, C, h, w)) before it"
+            )
         if i < 0:
             raise LayoutError(
                 f"{op}: input of shape {tuple(layout.global_shape(x))} is sharded along dim {s.dim}, which is not one "

@@ -12,8 +12,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..layout import conv_out_size, conv_window, partition, transposed_window
-from ..tensor import Layout, unwrap, wrap
+from ..layout import Layout, conv_out_size, conv_window, partition, transposed_window
+from ..tensor import unwrap, wrap
 from ._common import (
     Fetches,
     check_output_size,

@@ -13,8 +13,9 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from ..tensor import LayoutError, common_layout, localize, unwrap, wrap
-from .reduce import across
+from ..collectives import across
+from ..layout import LayoutError
+from ..tensor import common_layout, localize, unwrap, wrap
 
 
 def _weighted_count(target: torch.Tensor, weight, ignore_index: int, logits: torch.Tensor) -> torch.Tensor:

@@ -4,27 +4,37 @@ Two passes (mean, then the sum of squared deviations) keep fp32 accuracy. BatchN
 are updated from the global batch statistics exactly as one device would (unbiased variance with the
 global count); eval mode uses the running statistics locally. BatchNorm statistics span the spatial group
 only: the data-parallel group joins only when the user asked for SyncBatchNorm (``Trainer(sync_batchnorm=True)``,
-which the strategy routes here through ``sync_batch_norm_over``; it assumes equal batch sizes per replica).
+which the strategy routes here by entering ``batch_norm_over(data_axis)``; it assumes equal batch sizes per
+replica).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 
-from ..tensor import unwrap, wrap
+from ..collectives import across
+from ..layout import Axis
+from ..tensor import localize, unwrap, wrap
 from ._common import spatial_shards
-from .reduce import across
 
-_SYNC_AXIS = None  # the data axis while the strategy runs SyncBatchNorm
+_data_axis: ContextVar[Axis | None] = ContextVar("batch_norm_data_axis", default=None)
 
 
-def sync_batch_norm_over(axis) -> None:
-    """Make training-mode batch_norm also reduce its statistics over ``axis`` (None: spatial axes only)."""
-    global _SYNC_AXIS
-    _SYNC_AXIS = axis
+@contextmanager
+def batch_norm_over(axis: Axis | None) -> Iterator[None]:
+    """While entered, training-mode batch_norm also reduces its statistics over ``axis`` (SyncBatchNorm's
+    data axis); ``None`` keeps them within the spatial group."""
+    token = _data_axis.set(axis)
+    try:
+        yield
+    finally:
+        _data_axis.reset(token)
 
 
 def _normalize(x: torch.Tensor, dims: tuple[int, ...], shards, count: int, eps: float):
@@ -51,8 +61,9 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         return wrap(F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(d - x.dim() for d in range(x.dim()) if d != 1)
     count = math.prod(layout.global_shape(x)[d] for d in dims)
-    if _SYNC_AXIS is not None:
-        shards, count = [*shards, _SYNC_AXIS], count * _SYNC_AXIS.size
+    data_axis = _data_axis.get()
+    if data_axis is not None:
+        shards, count = [*shards, data_axis], count * data_axis.size
     if count <= 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {tuple(layout.global_shape(x))}"
@@ -105,11 +116,10 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         return wrap(F.layer_norm(x, x.shape[-k:], weight, bias, eps), layout)
     count = math.prod(layout.global_shape(x)[-k:])
     out, _, _ = _normalize(x, dims, shards, count, eps)
-    slices = layout.local_slices(x.dim())[-k:]  # affine parameters cover the global dims: take our rows
-    if weight is not None:
-        out = out * weight[slices]
+    if weight is not None:  # affine parameters cover the global dims: take our part
+        out = out * localize(F.layer_norm, weight, layout)
     if bias is not None:
-        out = out + bias[slices]
+        out = out + localize(F.layer_norm, bias, layout)
     return wrap(out, layout)
 
 
@@ -120,4 +130,4 @@ HANDLERS = {
     F.layer_norm: layer_norm,
 }
 
-__all__ = ["HANDLERS"]
+__all__ = ["HANDLERS", "batch_norm_over"]

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..collectives import all_reduce
+from ..collectives import across_detached, all_reduce
 from ..halo import fetch_window
-from ..layout import adaptive_bins, conv_window, partition, pool_out_size
-from ..tensor import DimShard, unwrap, wrap
+from ..layout import DimShard, adaptive_bins, conv_window, partition, pool_out_size
+from ..tensor import unwrap, wrap
 from ._common import check_output_size, fetch_windows, ntuple, output_layout, spatial_shards
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -229,7 +229,7 @@ def _adaptive_max_dim(y: torch.Tensor, flat: torch.Tensor | None, s: DimShard, m
         reduced = all_reduce(y, s.axis.group, dist.ReduceOp.MAX)
         if flat is not None:  # the first maximal element in the plane's order, as torch picks
             flat = torch.where(y == reduced.detach(), flat, torch.iinfo(flat.dtype).max)
-            dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=s.axis.group)
+            flat = across_detached(flat, [s], dist.ReduceOp.MIN)
         y = reduced
     return y, flat
 

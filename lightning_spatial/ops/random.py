@@ -23,7 +23,7 @@ def dropout(input, p=0.5, training=True, inplace=False):
     if p == 1:
         return wrap(x.mul_(0) if inplace else x * 0, layout)
     noise = torch.empty(layout.global_shape(x), dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
-    noise = noise[layout.local_slices(x.dim())]
+    noise = layout.take_local(noise)
     return wrap(x.mul_(noise) if inplace else x * noise, layout)
 
 

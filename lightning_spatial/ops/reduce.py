@@ -9,12 +9,14 @@ ties across ranks as torch's ``amax`` does.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_reduce
-from ..tensor import DimShard, Layout, unwrap, wrap
+from ..collectives import across, across_detached
+from ..layout import Layout
+from ..tensor import unwrap, wrap
 
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
@@ -34,16 +36,8 @@ def reduced_layout(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> Layo
         if s.dim in dims:
             continue
         shift = 0 if keepdim else sum(1 for d in dims if d > s.dim)
-        kept.append(DimShard(s.dim + shift, s.axis, s.size))
+        kept.append(replace(s, dim=s.dim + shift))
     return Layout(tuple(kept)) if kept else None
-
-
-def across(x: torch.Tensor, shards: list, op=SUM) -> torch.Tensor:
-    """All-reduce a partial result over the axes of ``shards`` (``DimShard`` or ``Axis``; one after the
-    other for 2-D tiles)."""
-    for s in shards:
-        x = all_reduce(x, getattr(s, "axis", s).group, op)
-    return x
 
 
 def _operands(input, dim, dtype=None):
@@ -56,9 +50,7 @@ def _operands(input, dim, dtype=None):
 
 
 def _detached_max(x: torch.Tensor, dims, shards) -> torch.Tensor:
-    m = x.detach().amax(dims, keepdim=True)
-    for s in shards:
-        dist.all_reduce(m, op=MAX, group=s.axis.group)
+    m = across_detached(x.detach().amax(dims, keepdim=True), shards, MAX)
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
@@ -189,4 +181,4 @@ def _registrations() -> dict:
 
 HANDLERS = _registrations()
 
-__all__ = ["HANDLERS", "across", "normalize_dims", "reduced_layout"]
+__all__ = ["HANDLERS", "normalize_dims", "reduced_layout"]

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ..halo import fetch_window
-from ..layout import partition
-from ..tensor import DimShard, unwrap, wrap
+from ..layout import DimShard, partition
+from ..tensor import unwrap, wrap
 from ._common import check_output_size, output_layout, spatial_shards
 from .pool import adaptive_pool
 

@@ -1,9 +1,11 @@
-"""Views, permutes, concatenation and channel-wise linear maps: local when they keep every sharded dim
-whole, an exact gather (with the fallback's warning) when they merge or cut one.
+"""Views, permutes, concatenation and channel-wise linear maps: local when no sharded factor is cut, an
+exact gather (with the fallback's warning) when one is.
 
-Sizes passed by user code are global (``SpatialTensor.shape`` is global), so a view is translated to
-the shard by tracking each sharded dim through the reshape: it survives when the product of the sizes
-before it is unchanged and it keeps its own size.
+Sizes passed by user code are global (``SpatialTensor.shape`` is global), so a view is translated to the
+shard by tracking each sharded factor through the reshape. A reshape keeps the row-major order of the global
+elements, so a factor is ``(P, f, Q)`` in that order (``P`` elements' worth of outer index, its own ``f``,
+``Q`` inner) before and after; it survives when it lies inside one output dim. Merging sharded spatial dims
+into tokens (``x.flatten(2)``) and splitting them back (``view(B, C, h, w)``) are then local.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..tensor import DimShard, Layout, LayoutError, fallback, unwrap, wrap
+from ..collectives import across_detached
+from ..layout import DimShard, Layout, LayoutError
+from ..tensor import fallback, unwrap, wrap
 
 
 def _sizes(shape) -> tuple:
@@ -33,25 +37,25 @@ def _resolve(shape: tuple, numel: int) -> list[int]:
 
 
 def track(layout: Layout, global_in, global_out) -> Layout | None:
-    """Where each sharded dim lands after reshaping ``global_in`` to ``global_out`` (None: merged/cut)."""
+    """Where each sharded factor lands after reshaping ``global_in`` to ``global_out`` (None: one is cut)."""
+    return _track(layout, tuple(global_in), tuple(global_out))
+
+
+@lru_cache(maxsize=4096)
+def _track(layout: Layout, global_in: tuple, global_out: tuple) -> Layout | None:
     shards = []
     for s in layout.shards:
-        p = len(global_in) + s.dim
-        prefix = math.prod(global_in[:p])
+        before = math.prod(global_in[: len(global_in) + s.dim]) * s.outer  # P: elements' outer index range
+        a = 1
         for q, n in enumerate(global_out):
-            if n == s.size and math.prod(global_out[:q]) == prefix:
-                shards.append(DimShard(q - len(global_out), s.axis, s.size))
+            b = a * n
+            if before % a == 0 and b % (before * s.size) == 0:  # the factor lies inside output dim q
+                shards.append(DimShard(q - len(global_out), s.axis, s.size, before // a, b // (before * s.size)))
                 break
+            a = b
         else:
             return None
     return Layout(tuple(shards))
-
-
-def _local_shape(layout: Layout, shape: list[int]) -> list[int]:
-    shape = list(shape)
-    for s in layout.shards:
-        shape[s.dim] = s.stop - s.start
-    return shape
 
 
 def _reshape(func):
@@ -62,7 +66,7 @@ def _reshape(func):
         new = track(layout, global_in, global_out)
         if new is None:
             return fallback(func, (input, *shape), {})
-        return wrap(func(x, _local_shape(new, global_out)), new)
+        return wrap(func(x, new.local_shape(global_out)), new)
 
     return reshape
 
@@ -99,7 +103,7 @@ def _moved(func, layout: Layout, ndim: int, call: tuple) -> Layout:
     args, kwargs = call
     probe = torch.empty(list(range(2, 2 + ndim)), device="meta")  # distinct sizes reveal the permutation
     order = [n - 2 for n in func(probe, *args, **dict(kwargs)).shape]
-    return Layout(tuple(DimShard(order.index(ndim + s.dim) - ndim, s.axis, s.size) for s in layout.shards))
+    return layout.moved({s.dim: order.index(ndim + s.dim) - ndim for s in layout.shards})
 
 
 def _freeze(value):
@@ -112,9 +116,9 @@ def _expand(func):
         x, layout = unwrap(input)
         sizes = list(_sizes(sizes))
         for s in layout.shards:
-            if sizes[s.dim] not in (-1, s.size):
+            if sizes[s.dim] not in (-1, s.extent):
                 raise LayoutError(
-                    f"expand: dim {s.dim} is sharded with global size {s.size}, cannot expand to {sizes[s.dim]}"
+                    f"expand: dim {s.dim} is sharded with global size {s.extent}, cannot expand to {sizes[s.dim]}"
                 )
             sizes[s.dim] = -1
         return wrap(func(x, sizes), layout)
@@ -140,14 +144,14 @@ def _along_unsharded(func, dim_arg: int):
         ndim = tensors[0].dim()
         out_ndim = ndim + (func in _INSERTS_DIM) - (func in _REMOVES_DIM)
         at = dim % (out_ndim if func in _INSERTS_DIM else ndim)
-        shards = []
-        for s in layout.shards:
-            pos = ndim + s.dim
+        moves = {}
+        for d in layout.dims:
+            pos = ndim + d
             if pos == at and func not in _INSERTS_DIM:
                 return fallback(func, args, kwargs)
             pos += (func in _INSERTS_DIM and pos >= at) - (func in _REMOVES_DIM and pos > at)
-            shards.append(DimShard(pos - out_ndim, s.axis, s.size))
-        new = Layout(tuple(shards))
+            moves[d] = pos - out_ndim
+        new = layout.moved(moves)
         locals_ = [unwrap(t)[0] for t in tensors]
         out = func(locals_ if many else locals_[0], *args[1:], **kwargs)
         return tuple(wrap(o, new) for o in out) if isinstance(out, (tuple, list)) else wrap(out, new)
@@ -185,22 +189,18 @@ def getitem(input, index):
     x, layout = unwrap(input)
     mapping = _index_map(index, x.dim())
     ndim = x.dim()
-    if mapping is None or any(ndim + s.dim not in mapping for s in layout.shards):
+    if mapping is None or any(ndim + d not in mapping for d in layout.dims):
         return fallback(torch.Tensor.__getitem__, (input, index), {})
-    shards = tuple(DimShard(mapping[ndim + s.dim], s.axis, s.size) for s in layout.shards)
-    return wrap(x[index], Layout(shards))
+    return wrap(x[index], layout.moved({d: mapping[ndim + d] for d in layout.dims}))
 
 
 def one_hot(input, num_classes=-1):
     """A new trailing class dim; with ``num_classes=-1`` the class count is the *global* max + 1."""
     x, layout = unwrap(input)
     if num_classes == -1:
-        top = x.max().reshape(1)
-        for s in layout.shards:
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=s.axis.group)
+        top = across_detached(x.max().reshape(1), layout.shards, dist.ReduceOp.MAX)
         num_classes = int(top) + 1  # torch's one_hot syncs here too
-    shards = tuple(DimShard(s.dim - 1, s.axis, s.size) for s in layout.shards)
-    return wrap(F.one_hot(x, num_classes), Layout(shards))
+    return wrap(F.one_hot(x, num_classes), layout.moved({d: d - 1 for d in layout.dims}))
 
 
 def linear(input, weight, bias=None):

@@ -31,10 +31,11 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from ..layout import Axis
 from ..mesh import SHARD_DIMS, SpatialDims
 from ..ops import norm
 from ..sharding import Select, ShardingCollate
-from ..tensor import Axis, SpatialTensor, gather
+from ..tensor import SpatialTensor, gather
 
 
 class SpatialParallelStrategy(DDPStrategy):
@@ -90,6 +91,7 @@ class SpatialParallelStrategy(DDPStrategy):
         self.mesh = None
         self.axes: dict[int, Axis] = {}
         self._sync_batchnorm = False
+        self._batch_norm_sync = None
 
     @override
     def setup_environment(self) -> None:
@@ -138,7 +140,10 @@ class SpatialParallelStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         if self._layer_sync is not None and self.axes:  # SyncBatchNorm: our batch_norm also spans the data axis
             self._layer_sync, self._sync_batchnorm = None, True
-        norm.sync_batch_norm_over(self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None)
+        self._batch_norm_sync = norm.batch_norm_over(
+            self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None
+        )
+        self._batch_norm_sync.__enter__()
         super().setup(trainer)
         self._sync_metrics_over_data_axis()
 
@@ -178,7 +183,9 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        norm.sync_batch_norm_over(None)
+        if self._batch_norm_sync is not None:
+            self._batch_norm_sync.__exit__(None, None, None)
+            self._batch_norm_sync = None
         super().teardown()
 
     @classmethod

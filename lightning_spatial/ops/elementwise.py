@@ -1,0 +1,159 @@
+"""Element-wise ops run on the local shard and keep its layout.
+
+The set is torch's own: every aten op tagged ``pointwise`` (in ``torch``, ``torch.Tensor``, ``torch.special``,
+with in-place variants), the arithmetic and comparison operators, and the activations of
+``torch.nn.functional``; plus ops that keep the operand's layout although aten does not tag them pointwise
+(casts, ``contiguous``, fills, ``*_like`` factories). A replicated operand broadcasts along a sharded dim
+(size 1) or is cut to this rank's part (full global size): ``tensor.localize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..tensor import SpatialTensor, common_layout, fallback, localize, unwrap, wrap
+
+
+def _pointwise_names() -> set[str]:
+    """Names of aten ops tagged pointwise (binary ``max``/``min``/``where`` overloads excluded: they share
+    a name with reductions or with index-returning forms)."""
+    names = set()
+    for name in dir(torch.ops.aten):
+        if name.startswith("_"):
+            continue
+        try:
+            packet = getattr(torch.ops.aten, name)
+            overloads = [getattr(packet, o) for o in packet.overloads()]
+        except (AttributeError, RuntimeError):
+            continue
+        if any(torch.Tag.pointwise in o.tags for o in overloads):
+            names.add(name)
+    return names - {"max", "min", "where"}
+
+
+def functions(names, namespaces) -> set[Callable]:
+    """The torch functions of these names that exist in any of ``namespaces``."""
+    return {getattr(ns, n) for n in names for ns in namespaces if hasattr(ns, n)}
+
+
+_DUNDERS = [
+    f"__{p}{op}__"
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift")
+    for p in ("", "r", "i")
+] + ["__neg__", "__pos__", "__abs__", "__invert__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"]
+
+_ACTIVATIONS = [
+    "relu",
+    "relu_",
+    "relu6",
+    "gelu",
+    "silu",
+    "mish",
+    "hardswish",
+    "hardsigmoid",
+    "hardtanh",
+    "leaky_relu",
+    "elu",
+    "selu",
+    "celu",
+    "sigmoid",
+    "tanh",
+    "softplus",
+    "softsign",
+    "tanhshrink",
+    "threshold",
+    "logsigmoid",
+    "glu_",
+]
+
+POINTWISE: frozenset[Callable] = frozenset(
+    functions(_pointwise_names(), (torch, torch.Tensor, torch.special))
+    | functions((n + "_" for n in _pointwise_names()), (torch.Tensor,))
+    | functions(_DUNDERS, (torch.Tensor,))
+    | functions(_ACTIVATIONS, (torch.nn.functional,))
+)
+
+# Results keep the operand's layout although aten does not tag these pointwise.
+LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
+    functions(
+        [
+            "contiguous",
+            "detach",
+            "detach_",
+            "float",
+            "double",
+            "half",
+            "bfloat16",
+            "cpu",
+            "cuda",
+            "pin_memory",
+            "zero_",
+            "fill_",
+            "requires_grad_",
+            "zeros_like",
+            "ones_like",
+            "full_like",
+            "empty_like",
+            "masked_fill_",
+        ],
+        (torch, torch.Tensor),
+    )
+)
+
+
+def elementwise(func: Callable) -> Callable:
+    """``func`` on the local shards, replicated operands localized; results keep the common layout."""
+
+    def run(*args, **kwargs):
+        layout = common_layout(func, [*args, *kwargs.values()])
+        args = [localize(func, a, layout) for a in args]
+        if kwargs:
+            kwargs = {k: localize(func, v, layout) for k, v in kwargs.items()}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if args and out is args[0]:  # in-place: the operand already carries its layout
+            return out
+        if type(out) is torch.Tensor:  # the common case, without a pytree walk
+            return wrap(out, layout)
+        return tree_map(lambda o: wrap(o, layout) if isinstance(o, torch.Tensor) else o, out)
+
+    return run
+
+
+def where(*args, **kwargs):
+    """``torch.where(cond, x, y)`` is element-wise; ``torch.where(cond)`` returns global indices: fallback."""
+    if len(args) + len(kwargs) == 1:
+        return fallback(torch.where, args, kwargs)
+    return _where(*args, **kwargs)
+
+
+_where = elementwise(torch.where)
+
+
+def _conversion(func: Callable) -> Callable:
+    """``t.to(x)``/``t.type_as(x)``: only ``t`` is converted; a sharded ``x`` merely names a dtype and device."""
+
+    def convert(input, *args, **kwargs):
+        local, layout = unwrap(input)
+        args = [a.to_local() if isinstance(a, SpatialTensor) else a for a in args]
+        kwargs = {k: v.to_local() if isinstance(v, SpatialTensor) else v for k, v in kwargs.items()}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(local, *args, **kwargs)
+        return wrap(out, layout) if isinstance(out, torch.Tensor) else out  # ``x.type()`` is a string
+
+    return convert
+
+
+def _registrations() -> dict:
+    handlers = {f: elementwise(f) for f in POINTWISE | LAYOUT_PRESERVING}
+    handlers[torch.where] = handlers[torch.Tensor.where] = where
+    handlers.update({f: _conversion(f) for f in (torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.type)})
+    return handlers
+
+
+HANDLERS = _registrations()
+
+__all__ = ["HANDLERS", "LAYOUT_PRESERVING", "POINTWISE", "elementwise", "functions"]
