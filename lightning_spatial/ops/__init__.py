@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ..tensor import HANDLERS
-from . import conv, loss, norm, pad, pool, random, reduce, resample, shape
+from . import conv, loss, norm, pad, pool, random, reduce, resample, sample, shape
 
-FAMILIES = (conv, pad, pool, norm, resample, random, reduce, shape, loss)
+FAMILIES = (conv, pad, pool, norm, resample, sample, random, reduce, shape, loss)
 
 
 def install() -> None:
