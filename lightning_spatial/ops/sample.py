@@ -60,7 +60,10 @@ def _enum_handler(dims: int | None):
 
     def handler(input, grid, interpolation_mode, padding_mode, align_corners):
         if interpolation_mode not in range(3) or padding_mode not in range(3):
-            raise ValueError(f"grid_sampler(): unknown interpolation_mode {interpolation_mode} or padding_mode {padding_mode}")
+            raise ValueError(  # torch itself returns garbage for these
+                f"grid_sampler(): interpolation_mode and padding_mode must be 0, 1 or 2, got {interpolation_mode} "
+                f"and {padding_mode}"
+            )
         return _sample(input, grid, _MODES[interpolation_mode], _PADDINGS[padding_mode], align_corners, dims)
 
     return handler
@@ -73,24 +76,28 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
     if layout is None or unwrap(grid)[1] is not None:
         kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
         return fallback(F.grid_sample, (input, grid), kwargs)
+    index, weight = _shard_taps(x, layout, grid, mode, padding, align)
+    out = _TapSum.apply(x, index, weight)
+    for s in layout.shards:
+        out = all_reduce(out, s.axis.group)
+    return out.view(*x.shape[:2], *grid.shape[1:-1])
+
+
+def _shard_taps(x, layout, grid, mode: str, padding: str, align: bool):
+    """Every grid point's taps in this rank's shard as (N, taps, points) flat local indices and weights."""
     nd = x.dim() - 2
     shards = spatial_shards("grid_sample", x, layout, nd)
-    sizes = layout.global_shape(x)[2:]
-    points = grid.reshape(grid.shape[0], -1, nd)  # (N, Q, nd); coordinate 0 is x (the last dim)
+    points = grid.reshape(grid.shape[0], -1, nd)  # (N, Q, nd); coordinate 0 is along the last dim
     per_dim = []
-    for i, n in enumerate(sizes):
-        s = shards.get(i)
-        lo, hi = (s.start, s.stop) if s else (0, n)
+    for i, n in enumerate(layout.global_shape(x)[2:]):
+        lo, hi = (shards[i].start, shards[i].stop) if i in shards else (0, n)
         per_dim.append(_taps(points[..., nd - 1 - i], n, lo, hi, mode, padding, align))
     strides = [math.prod(x.shape[3 + i :]) for i in range(nd)]
     index, weight = [], []
     for combo in itertools.product(*per_dim):
         index.append(sum(row * stride for (row, _), stride in zip(combo, strides)))
-        weight.append(math.prod(w for _, w in reversed(combo)))  # x's weight first, as torch multiplies
-    out = _TapSum.apply(x, torch.stack(index, 1), torch.stack(weight, 1))
-    for s in layout.shards:
-        out = all_reduce(out, s.axis.group)
-    return out.view(*x.shape[:2], *grid.shape[1:-1])
+        weight.append(math.prod(w for _, w in reversed(combo)))  # the last dim's weight first, as torch multiplies
+    return torch.stack(index, 1), torch.stack(weight, 1)
 
 
 def _taps(coord, n: int, lo: int, hi: int, mode: str, padding: str, align: bool):
@@ -120,12 +127,13 @@ def _unnormalize(coord, n: int, align: bool):
 
 
 def _pad(real, n: int, padding: str, align: bool):
-    """torch's compute_coordinates, with the gradients of its ``_set_grad`` twin (zero on and beyond a border)."""
+    """torch's compute_coordinates. Its gradient, like torch's ``_set_grad`` twin, is zero on and beyond a border
+    (clamp's is zero on its bounds; a reflected point on a bound is clamped there)."""
     if padding == "zeros":
         return real
     if padding == "reflection":
         real = _reflect(real, 0, 2 * (n - 1)) if align else _reflect(real, -1, 2 * n - 1)
-    return torch.where(real <= 0, 0.0, torch.where(real >= n - 1, float(n - 1), real))
+    return real.clamp(0, n - 1)
 
 
 def _reflect(real, twice_low: int, twice_high: int):
@@ -133,8 +141,7 @@ def _reflect(real, twice_low: int, twice_high: int):
     if twice_low == twice_high:
         return torch.zeros_like(real)
     low, span = twice_low / 2, (twice_high - twice_low) / 2
-    real = real - low
-    real = torch.where(real < 0, -real, real)
+    real = (real - low).abs()
     extra = torch.fmod(real, span)
     even = torch.floor(real / span) % 2 == 0
     return torch.where(even, extra + low, span - extra + low)

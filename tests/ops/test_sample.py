@@ -104,13 +104,16 @@ def _torch_functions_case(layout):
     check(lambda x, g: torch.grid_sampler(x, g, 2, 2, False), [x, grid], sharded=[0], axes=axes(layout))
     check(lambda x, g: torch.grid_sampler_2d(x, g, 0, 1, True), [aligned, aligned_grid], sharded=[0], axes=axes(layout))
     check(lambda x, g: torch.grid_sampler_3d(x, g, 1, 0, False), [volume, grid3], sharded=[0], axes=axes(layout))
+    channels_last = x.to(memory_format=torch.channels_last)
+    check(_sampler("bilinear", "border", False), [channels_last, grid], sharded=[0], axes=axes(layout))
     with pytest.warns(UserWarning, match="align_corners=False since 1.3.0"):
         check(lambda x, g: F.grid_sample(x, g), [x, grid], sharded=[0], axes=axes(layout))
 
 
 @pytest.mark.parametrize("layout", ["w3", "2x2"])
 def test_torch_functions(layout):
-    """torch.grid_sampler(_2d/_3d) with enum arguments, and F.grid_sample's default align_corners (warns)."""
+    """torch.grid_sampler(_2d/_3d) with enum arguments, a channels-last input, and F.grid_sample's default
+    align_corners (warns)."""
     run_spmd(_torch_functions_case, LAYOUTS[layout][0], layout)
 
 
@@ -193,6 +196,8 @@ def _bad_calls_rank0():
             assert str(ours.value) == str(expected.value), name
         with pytest.raises(LayoutError, match="grid_sample: .* dim -3, which is not one of its 2 spatial dims"):
             F.grid_sample(shard(torch.randn(1, 4, 8, 8), {-3: ax[-1]}), torch.rand(1, 3, 5, 2), align_corners=False)
+        with pytest.raises(ValueError, match="must be 0, 1 or 2, got 3 and 0"):  # torch returns garbage here
+            torch.grid_sampler(shard(torch.randn(1, 2, 8, 8), ax), torch.rand(1, 3, 5, 2), 3, 0, False)
     dist.barrier()
 
 
