@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ..tensor import HANDLERS
-from . import conv, elementwise, loss, norm, pad, pool, queries, random, reduce, resample, shape
+from . import conv, elementwise, loss, norm, pad, pool, queries, random, reduce, resample, sample, shape
 
 # Later families override earlier ones (e.g. ``shape`` handles the ``mT`` property ``queries`` would answer).
-FAMILIES = (elementwise, queries, conv, pad, pool, norm, resample, random, reduce, shape, loss)
+FAMILIES = (elementwise, queries, conv, pad, pool, norm, resample, sample, random, reduce, shape, loss)
 
 
 def install() -> None:
