@@ -115,6 +115,10 @@ def test_image_encoder_returns_one_level_at_the_stride():
     assert out.shape == (2, 8, 4, 11)
     out.square().sum().backward()
     assert all(lateral.weight.grad.abs().sum() > 0 for lateral in encoder.laterals)  # strides 8, 16 and 32 feed in
+    with pytest.raises(
+        ValueError, match=r"images of \(16, 88\) pixels are smaller than the backbone's coarsest stride 32"
+    ):
+        encoder(torch.randn(1, 3, 16, 88))
     with pytest.raises(ValueError, match=r"feature strides \[2, 4, 8, 16, 32\]; stride=12"):
         ImageEncoder("resnet18", 8, stride=12)
 

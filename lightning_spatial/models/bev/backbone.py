@@ -26,11 +26,17 @@ class ImageEncoder(nn.Module):
         if stride not in reductions:
             raise ValueError(f"backbone {backbone!r} has feature strides {reductions}; stride={stride} is not one")
         self.levels = [i for i, r in enumerate(reductions) if r >= stride]
+        self.coarsest = reductions[-1]
         channels = self.backbone.feature_info.channels()
         self.laterals = nn.ModuleList(nn.Conv2d(channels[i], dims, 1) for i in self.levels)
         self.output = nn.Conv2d(dims, dims, 3, padding=1)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if min(images.shape[-2:]) < self.coarsest:
+            raise ValueError(
+                f"images of {tuple(images.shape[-2:])} pixels are smaller than the backbone's coarsest "
+                f"stride {self.coarsest}: use images of at least {self.coarsest} x {self.coarsest}"
+            )
         features = self.backbone(images)
         x = None
         for level, lateral in zip(reversed(self.levels), reversed(self.laterals)):
