@@ -52,6 +52,9 @@ def build_env(gpu: bool) -> dict[str, str]:
             "HOROVOD_CPU_OPERATIONS": "GLOO",
             "CMAKE_POLICY_VERSION_MINIMUM": "3.5",
             "MAKEFLAGS": f"-j{os.cpu_count() or 2}",
+            # Horovod's sources lean on <string>/<stdexcept> arriving through other headers, which GCC 13 no
+            # longer does ("'string' in namespace 'std' does not name a type")
+            "CXXFLAGS": f"{os.environ.get('CXXFLAGS', '')} -include string -include stdexcept".strip(),
         }
     )
     if gpu:
