@@ -95,8 +95,8 @@ class NuScenesDetection(Metric):
             raise ValueError(f"preds and target must hold one dict per sample, got {len(preds)} and {len(target)}")
         counts = []
         for i, (pred, gt) in enumerate(zip(preds, target)):
-            self.preds.append(_table(pred, f"preds[{i}]", scored=True))
-            self.targets.append(_table(gt, f"target[{i}]", scored=False))
+            self.preds.append(_table(pred, f"preds[{i}]", scored=True).to(self.device))
+            self.targets.append(_table(gt, f"target[{i}]", scored=False).to(self.device))
             counts.append((len(self.preds[-1]), len(self.targets[-1])))
         self.counts.append(torch.tensor(counts, dtype=torch.float64, device=self.device).reshape(-1, 2))
 

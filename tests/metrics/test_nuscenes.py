@@ -148,6 +148,7 @@ def test_class_range():
     assert evaluate([near])["AP/car"] == pytest.approx(1.0, abs=1e-15)
 
 
+@pytest.mark.filterwarnings("ignore:The ``compute`` method of metric NuScenesDetection was called before")
 @pytest.mark.parametrize("case", ["no updates", "no predictions", "no ground truth"])
 def test_empty(case):
     car = (box(), 0.9, 0)
