@@ -231,6 +231,12 @@ class NuScenesSurround(Dataset):
             name = DETECTION_NAME.get(category)
             if name is None or ann["num_lidar_pts"] + ann["num_radar_pts"] == 0:
                 continue
+            for field in ("translation", "size", "rotation"):  # before the range filter drops a NaN silently
+                if not all(map(math.isfinite, ann[field])):
+                    raise ValueError(
+                        f"{self.where['sample_annotation']}: annotation {ann['token']} (sample {token}) "
+                        f"has a non-finite {field} {ann[field]}"
+                    )
             centre = global2ego[:3, :3] @ torch.tensor(ann["translation"], dtype=torch.float64) + global2ego[:3, 3]
             heading = global2ego[:3, :3] @ quaternion_matrix(ann["rotation"])[:, 0]
             velocity = global2ego[:3, :3] @ self._velocity(ann)
