@@ -73,6 +73,25 @@ def test_previous_frame_shows_objects_where_prev_lidar2img_puts_them(monkeypatch
     assert not red(sample["prev_images"], sample["prev_lidar2img"], now)
 
 
+def test_ground_texture_is_fixed_in_the_world(monkeypatch):
+    """Ground points seen in both frames keep their colour (up to a little haze), which ties the images to
+    the ego motion; the same points shifted by 2.5 m (other texture cells) do not."""
+    scene = Scene(torch.zeros(0, 9), torch.zeros(0, dtype=torch.long), 11, SUN_FROM_FRONT)
+    monkeypatch.setattr(surround, "sample_scene", lambda g, max_objects: scene)
+    sample = SurroundScenes(1, 64, 176, cameras=1, temporal=True)[0]
+    g = torch.Generator().manual_seed(0)
+    points = torch.stack([8 + 8 * torch.rand(200, generator=g), 4 * torch.rand(200, generator=g) - 2], 1)
+
+    def colours(images, lidar2img, xy):
+        pixels = [_pixel(lidar2img[0], (x, y, 0.0)) for x, y in xy.tolist()]
+        return torch.stack([images[0, :, row, column].float() for row, column in pixels])
+
+    now = colours(sample["images"], sample["lidar2img"], points)
+    same = (colours(sample["prev_images"], sample["prev_lidar2img"], points) - now).abs().median()
+    shifted = (colours(sample["prev_images"], sample["prev_lidar2img"], points + 2.5) - now).abs().median()
+    assert same <= 3 < 6 < shifted
+
+
 def test_labels_keep_boxes_seen_by_a_camera_and_in_range():
     ds = SurroundScenes(1, 32, 88, cameras=1)
     boxes = torch.zeros(4, 9)
