@@ -28,6 +28,7 @@ BOX_FIELDS = ("x", "y", "z", "w", "l", "h", "yaw", "vx", "vy")
 POINT_CLOUD_RANGE = (-51.2, -51.2, -5.0, 51.2, 51.2, 3.0)
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+_SCALE, _SHIFT = 1 / (255 * STD), -MEAN / STD  # normalise as one multiply-add
 
 _CAMERA_FIELDS = {"lidar2img": (4, 4), "intrinsics": (3, 3), "cam2ego": (4, 4), "prev_lidar2img": (4, 4)}
 _LISTS = ("boxes", "labels")
@@ -35,7 +36,7 @@ _LISTS = ("boxes", "labels")
 
 def normalise(images: torch.Tensor) -> torch.Tensor:
     """uint8 RGB ``(..., 3, H, W)`` -> float32, ImageNet mean/std (roughly zero mean, unit std)."""
-    return (images.float() / 255 - MEAN) / STD
+    return torch.addcmul(_SHIFT, images.float(), _SCALE)
 
 
 def check_sample(sample: dict, where: str, size: tuple[int, int] | None = None, cameras: int | None = None) -> dict:

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_spatial.data import PackedSurround, SurroundScenes, SurroundSynthetic, collate_surround, write_records
+from lightning_spatial.data.benchmark import main
 from lightning_spatial.data.records import FORMATS
 
 
@@ -71,7 +72,7 @@ def test_records_for_another_size_or_none_raise(tmp_path, source):
 
 def test_datamodule_packs_once_and_trains_from_records(tmp_path):
     kwargs = dict(num_samples=3, val_samples=2, height=16, width=44, cameras=2, batch_size=2, max_objects=4)
-    data = SurroundSynthetic(records_dir=str(tmp_path), **kwargs)
+    data = SurroundSynthetic(records_dir=str(tmp_path), num_workers=1, **kwargs)  # a worker renders for the writer
     data.prepare_data()
     data.setup("fit")
     assert isinstance(data.train_set, PackedSurround) and (tmp_path / "val" / "surround.json").exists()
@@ -81,3 +82,9 @@ def test_datamodule_packs_once_and_trains_from_records(tmp_path):
     other = SurroundSynthetic(records_dir=str(tmp_path), **dict(kwargs, width=88))
     with pytest.raises(ValueError, match=r"'width': \(44, 88\)"):
         other.setup("fit")
+
+
+def test_benchmark_runs(tmp_path, capsys):
+    main(["--sizes", "8x22", "--samples", "4", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "render 8x22 temporal=True" in out and all(f"records {f}: write" in out for f in FORMATS)
