@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +38,19 @@ def run(*overrides: str, tmp_path: Path, flags: tuple[str, ...] = ()) -> str:
     return done.stdout
 
 
+def final_metrics(out: str) -> list[dict[str, float]]:
+    """Every ``final metrics: {...}`` line's values; each must be a finite number."""
+    runs = [dict(re.findall(r"'(\w+)': ([^,}]+)", body)) for body in re.findall(r"final metrics: \{(.*)\}", out)]
+    runs = [{k: float(v) for k, v in run.items()} for run in runs]
+    assert runs and all(run and all(math.isfinite(v) for v in run.values()) for run in runs), out[-3000:]
+    return runs
+
+
+def summary(out: str, key: str) -> list[str]:
+    """The ``key: ...`` lines that the SpatialSummary callback printed (the progress bar's \\r split off)."""
+    return re.findall(rf"^\s*{re.escape(key)}: (.*)$", out.replace("\r", "\n"), re.M)
+
+
 def torchrun_2(script: str, *args: str, cwd: Path | None = None) -> str:
     """Run ``recipes/<script>`` on 2 processes under torchrun (rendezvous on this machine); its stdout."""
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
@@ -48,15 +63,54 @@ def torchrun_2(script: str, *args: str, cwd: Path | None = None) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [(), ("model=convnext_atto",), ("strategy=single", "trainer.devices=1")])
-def test_train_recipe(overrides, tmp_path):
-    assert "final metrics:" in run(*overrides, tmp_path=tmp_path)
+def test_train_recipe_shows_what_it_did(tmp_path):
+    """The main job (toy size): width-sharded on 2 ranks, and it says so, with speed, memory and its outputs."""
+    out = run(tmp_path=tmp_path)
+    (metrics,) = final_metrics(out)
+    assert set(metrics) == {"train_loss", "val_loss"} and metrics["train_loss"] > 0
+    assert summary(out, "mesh") == [
+        "2 rank(s) = data 1 x spatial 2 (tiles 1x2, height x width; sharded dims: width; SpatialParallelStrategy)"
+    ]
+    assert "batch['image'] (4, 3, 32, 64) sharded: (4, 3, 32, 32) on ranks 0,1" in out
+    assert "batch['mask'] (4, 32, 64) sharded: (4, 32, 32) on ranks 0,1" in out
+    assert "batch['label'] (4,) replicated" in out
+    (speed,) = summary(out, "throughput")
+    assert float(speed.split()[0]) > 0 and speed.split()[2] == "8"  # 8 training images in one epoch
+    (peaks,) = summary(out, "peak memory per rank (peak RSS of the process)")
+    peaks = [p.split() for p in peaks.split(", ")]
+    assert [p[0] for p in peaks] == ["r0", "r1"] and all(float(p[1]) > 0 for p in peaks)
+    (state,) = summary(out, "rank 0")
+    model_mib, saved_mib = (float(x) for x in re.findall(r"([\d.]+) MiB", state))
+    (one,) = summary(out, "one device, same images (estimate")
+    assert float(re.findall(r"([\d.]+) MiB", one)[-1]) > model_mib + saved_mib  # a second rank's activations
+    paths = {key: Path(summary(out, key)[0].split()[0]) for key in ("checkpoint", "logs (CSV)", "logs (TensorBoard)")}
+    assert paths["checkpoint"].suffix == ".ckpt" and paths["checkpoint"].exists()
+    assert "val_loss" in paths["logs (CSV)"].read_text().splitlines()[0]
+    assert any(p.name.startswith("events.out.tfevents") for p in paths["logs (TensorBoard)"].iterdir())
+    assert Path(summary(out, "plots")[0]).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, mesh, keys",
+    [
+        (("model=convnext_atto",), "data 1 x spatial 2", {"train_loss", "train_acc", "val_loss", "val_acc"}),
+        (("strategy=single", "trainer.devices=1"), "1 rank(s) = data 1 x spatial 1", {"train_loss", "val_loss"}),
+    ],
+)
+def test_train_recipe(overrides, mesh, keys, tmp_path):
+    out = run(*overrides, tmp_path=tmp_path)
+    (metrics,) = final_metrics(out)
+    assert set(metrics) == keys and all(0 <= metrics[k] <= 1 for k in keys if k.endswith("_acc"))
+    assert mesh in summary(out, "mesh")[0]
 
 
 @pytest.mark.slow
 def test_multirun_sweep(tmp_path):
     out = run("strategy.spatial_size=1,2", tmp_path=tmp_path, flags=("-m",))  # data parallel vs spatial
-    assert out.count("final metrics:") == 2
+    assert len(final_metrics(out)) == 2
+    meshes = summary(out, "mesh")
+    assert [m.split(" (")[0] for m in meshes] == ["2 rank(s) = data 2 x spatial 1", "2 rank(s) = data 1 x spatial 2"]
 
 
 def test_benchmark_smoke_on_cpu(tmp_path):
@@ -130,4 +184,5 @@ def test_notebook_runs(tmp_path):
 def test_train_recipe_under_torchrun(tmp_path):
     """Launched by torchrun, Lightning's TorchElasticEnvironment supplies the ranks (as on a GPU cluster)."""
     out = torchrun_2("train.py", *TOY, "strategy.start_method=popen", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
-    assert out.count("final metrics:") == 2
+    assert len(final_metrics(out)) == 2  # one line per process
+    assert [m.split(" (")[0] for m in summary(out, "mesh")] == ["2 rank(s) = data 1 x spatial 2"]  # rank 0 only
