@@ -2,7 +2,7 @@
 ``run_config``) and appends its row to one CSV; when the sweep ends, recipes/plot_bench.py plots it.
 
 python recipes/bench_sweep.py -m spatial=1,2,4,8                          # one GPU, fake process group
-python recipes/bench_sweep.py -m device=cpu model=convnext_atto batch=1 height=64 width=256 spatial=1,2 \\
+python recipes/bench_sweep.py -m device=cpu backbone=convnext_atto batch=1 height=64 width=256 spatial=1,2 \\
     steps=1 warmup=0                                                       # CPU smoke run
 Under torchrun every job measures its rank of a real group (spatial must equal the world size).
 """
@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
-    args = argparse.Namespace(**OmegaConf.to_container(cfg, resolve=True))
+    options = OmegaConf.to_container(cfg, resolve=True)
+    args = argparse.Namespace(model=options.pop("backbone"), **options)
     device, real = setup(args)
     row = run_config(args, device, args.width, args.spatial, args.layout, args.precision, args.ckpt, real)
     if not real or dist.get_rank() == 0:

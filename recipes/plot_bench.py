@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
 CONFIG = ("model", "batch", "height", "width", "precision", "ckpt")
@@ -52,40 +54,13 @@ def plot(rows: list[dict], png: Path, where: dict[str, str] | None = None) -> Pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     rows = [r for r in rows if all(str(r[k]) == v for k, v in (where or {}).items())]
     config = Counter(tuple(r[k] for k in CONFIG) for r in rows).most_common(1)[0][0]
     rows = sorted((r for r in rows if tuple(r[k] for k in CONFIG) == config), key=lambda r: r["spatial"])
-    one = [r for r in rows if r["spatial"] == 1]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (what, unit, ours, shard) in zip(
-        axes, (("step time", "ms", "ours_ms", "shard_ms"), ("peak memory per rank", "GiB", "ours_gib", "shard_gib"))
-    ):
-        split = [r for r in rows if r["spatial"] > 1]
-        for tiles in sorted({_kind(r) for r in split}, reverse=True):
-            mine = [r for r in split if _kind(r) == tiles]
-            ax.plot([r["spatial"] for r in mine], [_value(r, ours) for r in mine], "o-", label=f"ours ({tiles})")
-            for r in mine if tiles == "width" else ():
-                ratio = _value(r, ours) / _value(r, shard)
-                ax.annotate(f"{ratio:.3f}x", (r["spatial"], _value(r, ours)), textcoords="offset points", xytext=(6, 6))
-        widths = {r["spatial"]: _value(r, shard) for r in split}
-        ax.plot(
-            list(widths),
-            list(widths.values()),
-            "s:",
-            color="grey",
-            label="shard alone (the ideal; ours' ratio to it annotated)",
-        )
-        if one:
-            whole = _value(one[-1], shard)
-            ax.axhline(whole, color="black", ls="--", label=f"one device, whole image ({whole:.4g} {unit})")
-        ax.set(xscale="log", yscale="log", xlabel="spatial ranks S", ylabel=unit, title=f"{what} ({unit})")
-        ax.set_xticks([r["spatial"] for r in rows], [str(r["spatial"]) for r in rows])
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.legend(fontsize=8, loc="lower left")
+    _panel(axes[0], rows, "step time", "ms", "ours_ms", "shard_ms")
+    _panel(axes[1], rows, "peak memory per rank", "GiB", "ours_gib", "shard_gib")
     model, batch, height, width, precision, ckpt = config
     device = rows[-1].get("device", "")
     fig.suptitle(
@@ -99,6 +74,37 @@ def plot(rows: list[dict], png: Path, where: dict[str, str] | None = None) -> Pa
     return png
 
 
+def _panel(ax, rows: list[dict], what: str, unit: str, ours: str, shard: str) -> None:
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    if not any(math.isfinite(_value(r, ours)) for r in rows):
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, f"{what}: not measured on {rows[-1].get('device', 'this device')}", ha="center")
+        return
+    split = [r for r in rows if r["spatial"] > 1]
+    for tiles in sorted({_kind(r) for r in split}, reverse=True):
+        mine = [r for r in split if _kind(r) == tiles]
+        ax.plot([r["spatial"] for r in mine], [_value(r, ours) for r in mine], "o-", label=f"ours ({tiles})")
+        for r in mine if tiles == "width" else ():
+            ratio = _value(r, ours) / _value(r, shard)
+            if math.isfinite(ratio):
+                ax.annotate(f"{ratio:.3f}x", (r["spatial"], _value(r, ours)), textcoords="offset points", xytext=(6, 6))
+    alone = {r["spatial"]: _value(r, shard) for r in split}
+    ax.plot(
+        list(alone), list(alone.values()), "s:", color="grey", label="shard alone (the ideal; ours' ratio annotated)"
+    )
+    one = [r for r in rows if r["spatial"] == 1]
+    if one:
+        whole = _value(one[-1], shard) if math.isfinite(_value(one[-1], shard)) else _value(one[-1], ours)
+        ax.axhline(whole, color="black", ls="--", label=f"one device, whole image ({whole:.4g} {unit})")
+    ax.set(xscale="log", yscale="log", xlabel="spatial ranks S", ylabel=unit, title=f"{what} ({unit})")
+    ax.set_xticks([r["spatial"] for r in rows], [str(r["spatial"]) for r in rows])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.legend(fontsize=8, loc="lower left")
+
+
 def _kind(row: dict) -> str:
     h, w = (int(n) for n in str(row["tiles"]).split("x"))
     return "width" if h == 1 else "height" if w == 1 else "2-D tiles"
@@ -108,13 +114,15 @@ def _value(row: dict, key: str) -> float:
     """Step times: the faster of the baseline's two runs (benchmark.py times it before and after ours)."""
     if key == "shard_ms" and row.get("shard_ms_after") not in (None, ""):
         return min(row["shard_ms"], row["shard_ms_after"])
-    return row[key]
+    value = row.get(key)
+    return math.nan if value in (None, "") else float(value)  # no baseline run (baseline=0), or CPU memory
 
 
 class PlotWhenSweepEnds(Callback):
     """Hydra callback (conf/bench.yaml): plot the sweep's CSV into bench.png beside it."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)  # csv is ${hydra:sweep.dir}/bench.csv
         path = Path(config.csv)
         if path.exists():
             print(f"plot: {plot(load([path]), path.with_suffix('.png'))}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -186,3 +187,56 @@ def test_train_recipe_under_torchrun(tmp_path):
     out = torchrun_2("train.py", *TOY, "strategy.start_method=popen", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert len(final_metrics(out)) == 2  # one line per process
     assert [m.split(" (")[0] for m in summary(out, "mesh")] == ["2 rank(s) = data 1 x spatial 2"]  # rank 0 only
+
+
+@pytest.mark.slow
+def test_sweep_on_submitit_local_launcher(tmp_path):
+    """hydra/launcher=submitit_local runs both jobs (the submitit_slurm launcher's local twin): each writes its
+    checkpoint and logs, and its log holds finite final metrics."""
+    run("hydra/launcher=submitit_local", "model=convnext_atto", "strategy=single", "trainer.devices=1", "seed=0,1",
+        tmp_path=tmp_path, flags=("-m",))  # fmt: skip
+    logs = sorted((tmp_path / ".submitit").glob("*/*_0_log.out"))
+    assert len(logs) == 2
+    seeds = set()
+    for log in logs:
+        (metrics,) = final_metrics(log.read_text())
+        assert set(metrics) == {"train_loss", "train_acc", "val_loss", "val_acc"}
+    for job in ("0", "1"):
+        assert (tmp_path / job / "checkpoints" / "last.ckpt").exists()
+        assert "val_loss" in (tmp_path / job / "csv" / "metrics.csv").read_text()
+        seeds.add((tmp_path / job / ".hydra" / "overrides.yaml").read_text().split("seed=")[1].split()[0])
+    assert seeds == {"0", "1"}
+
+
+@pytest.mark.slow
+def test_benchmark_sweep_writes_one_csv_and_a_plot(tmp_path):
+    """recipes/bench_sweep.py as a 2-job Hydra multirun at toy size on CPU; no timing is asserted."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "bench_sweep.py"), "-m", "device=cpu", "backbone=convnext_atto"]
+    cmd += ["batch=1", "height=64", "width=256", "spatial=1,2", "steps=1", "warmup=0", f"hydra.sweep.dir={tmp_path}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
+    assert [(r["spatial"], r["tiles"]) for r in rows] == [("1", "1x1"), ("2", "1x2")]
+    assert all(float(r["ours_ms"]) > 0 and float(r["shard_ms"]) > 0 for r in rows)
+    assert float(rows[0]["halo_mib_per_step"]) == 0 < float(rows[1]["halo_mib_per_step"])
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_image_folder_demo_trains_sharded_at_each_files_resolution(tmp_path):
+    """scikit-image's photos (shrunk 8x here) as an image folder with masks: width-sharded on 2 ranks."""
+    script = [sys.executable, str(ROOT / "recipes" / "sample_images.py"), str(tmp_path / "photos"), "--scale", "0.125"]
+    subprocess.run(script, check=True, capture_output=True, timeout=300)
+    out = run(
+        "experiment=image_folder_demo",
+        f"data.root={tmp_path / 'photos' / 'images'}",
+        f"data.masks={tmp_path / 'photos' / 'masks'}",
+        tmp_path=tmp_path / "run",
+    )
+    (metrics,) = final_metrics(out)
+    assert set(metrics) == {"train_loss", "val_loss"}
+    assert summary(out, "mesh")[0].startswith("2 rank(s) = data 1 x spatial 2")
+    (image,) = re.findall(r"batch\['image'\] \(1, 3, (\d+), (\d+)\) sharded: \(1, 3, \d+, (\d+)\) on rank 0", out)
+    height, width, local = (int(n) for n in image)
+    assert (height, width) in {(64, 64), (50, 75), (38, 56), (53, 80), (46, 46), (109, 125)}  # a photo's own size
+    assert local == (width + 1) // 2
