@@ -86,7 +86,7 @@ class SpatialSummary(L.Callback):
         per_rank = _gather(local)
         if not trainer.is_global_zero:
             return
-        lines = [f"mesh: {_mesh(trainer)}", "batch (first training batch):"]
+        lines = [f"mesh: {_mesh(trainer)}", *_comm_hook(trainer), "batch (first training batch):"]
         for path, leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
                 continue
@@ -154,6 +154,17 @@ def _mesh(trainer: L.Trainer) -> str:
         f"(tiles {dims.spatial_h}x{dims.spatial_w}, height x width; sharded dims: {', '.join(sharded) or 'none'}; "
         f"{name})"
     )
+
+
+def _comm_hook(trainer: L.Trainer) -> list[str]:
+    """A requested DDP comm hook (gradient compression) and whether it runs: Lightning registers it on CUDA only."""
+    hook = getattr(trainer.strategy, "_ddp_comm_hook", None)
+    if hook is None:
+        return []
+    name = getattr(hook, "__name__", repr(hook))
+    if trainer.strategy.root_device.type == "cuda":
+        return [f"gradient all-reduce: DDP comm hook {name}"]
+    return [f"gradient all-reduce: DDP comm hook {name} NOT registered (Lightning registers comm hooks on CUDA only)"]
 
 
 def _paths(trainer: L.Trainer) -> list[str]:

@@ -23,8 +23,8 @@ def test_saved_activations_are_the_distinct_tensors_autograd_keeps_without_param
     assert saved.nbytes == x.numel() * 4 + 2 * (2 * 8 * 16 * 16 * 4)
 
 
-def _fit(tmp_path, devices: int, width: int, epochs: int = 2) -> None:
-    strategy = SpatialParallelStrategy(2, start_method="fork") if devices > 1 else "auto"
+def _fit(tmp_path, devices: int, width: int, epochs: int = 2, **strategy_kwargs) -> None:
+    strategy = SpatialParallelStrategy(2, start_method="fork", **strategy_kwargs) if devices > 1 else "auto"
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -60,8 +60,11 @@ def test_summary_on_one_device(tmp_path, capsys):
 
 
 def test_summary_on_two_spatial_ranks(tmp_path, capfd):
-    _fit(tmp_path, 2, 36, epochs=1)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    _fit(tmp_path, 2, 36, epochs=1, ddp_comm_hook=fp16_compress_hook)
     out = capfd.readouterr().out
+    assert "DDP comm hook fp16_compress_hook NOT registered (Lightning registers comm hooks on CUDA only)" in out
     assert out.count("mesh: ") == 1  # rank 0 prints
     assert "mesh: 2 rank(s) = data 1 x spatial 2 (tiles 1x2, height x width; sharded dims: width;" in out
     assert "batch['image'] (4, 3, 16, 36) sharded: (4, 3, 16, 18) on ranks 0,1" in out
