@@ -7,6 +7,7 @@ StrategyRegistry.
 from __future__ import annotations
 
 from . import ops
+from .callbacks import SpatialSummary
 from .collectives import all_gather, all_reduce
 from .halo import fetch_window
 from .layout import partition
@@ -38,6 +39,7 @@ __all__ = [
     "LayoutError",
     "SpatialDims",
     "SpatialParallelStrategy",
+    "SpatialSummary",
     "SpatialTensor",
     "all_gather",
     "all_reduce",

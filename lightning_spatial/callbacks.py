@@ -92,7 +92,7 @@ class SpatialSummary(L.Callback):
                 continue
             shards = [rank[path] for rank in per_rank]
             if shards[0] is None:
-                lines.append(f"  batch{path} {_shape(leaf.shape)} replicated")
+                lines.append(f"  batch{path} {_shape(leaf.shape)} not sharded")
             else:
                 lines.append(f"  batch{path} {_shape(leaf.shape)} sharded: {_by_rank(shards)}")
         if len(per_rank) < trainer.world_size:

@@ -48,7 +48,7 @@ def test_summary_on_one_device(tmp_path, capsys):
     _fit(tmp_path, 1, 32)
     out = capsys.readouterr().out
     assert "mesh: 1 rank(s) = data 1 x spatial 1 (SingleDeviceStrategy: data parallel only)" in out
-    assert "batch['image'] (4, 3, 16, 32) replicated" in out and "batch['mask'] (4, 16, 32) replicated" in out
+    assert "batch['image'] (4, 3, 16, 32) not sharded" in out and "batch['mask'] (4, 16, 32) not sharded" in out
     assert "(16 training images in" in out  # 8 samples x 2 epochs
     (state,) = re.findall(r"rank 0: model state .*", out)
     (one,) = re.findall(r"one device, same images .*", out)
@@ -69,7 +69,7 @@ def test_summary_on_two_spatial_ranks(tmp_path, capfd):
     assert "mesh: 2 rank(s) = data 1 x spatial 2 (tiles 1x2, height x width; sharded dims: width;" in out
     assert "batch['image'] (4, 3, 16, 36) sharded: (4, 3, 16, 18) on ranks 0,1" in out
     assert "batch['mask'] (4, 16, 36) sharded: (4, 16, 18) on ranks 0,1" in out
-    assert "batch['label'] (4,) replicated" in out
+    assert "batch['label'] (4,) not sharded" in out
     assert "(8 training images in" in out  # a spatial group's ranks see the same 8, counted once
     assert re.search(r"peak memory per rank \(peak RSS of the process\): r0 [\d.]+ MiB, r1 [\d.]+ MiB", out)
     model, saved = _mib(re.findall(r"rank 0: model state .*", out)[0])

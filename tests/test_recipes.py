@@ -74,7 +74,7 @@ def test_train_recipe_shows_what_it_did(tmp_path):
     ]
     assert "batch['image'] (4, 3, 32, 64) sharded: (4, 3, 32, 32) on ranks 0,1" in out
     assert "batch['mask'] (4, 32, 64) sharded: (4, 32, 32) on ranks 0,1" in out
-    assert "batch['label'] (4,) replicated" in out
+    assert "batch['label'] (4,) not sharded" in out
     (speed,) = summary(out, "throughput")
     assert float(speed.split()[0]) > 0 and "images/s (8 training images in" in speed  # 8 samples, one epoch
     (peaks,) = summary(out, "peak memory per rank (peak RSS of the process)")

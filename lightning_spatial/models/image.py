@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 
-
 TASKS = ("classification", "segmentation")
 OPTIMIZERS = ("adamw", "sgd")
 
