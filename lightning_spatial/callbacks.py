@@ -7,7 +7,8 @@ logs went. It reads the strategy defensively, so it works (data parallel only) u
 
 The one-device figure is an *estimate*: model state (parameters, gradients, optimizer state) plus the
 activations that spatial group 0's ranks saved for backward in the first training step, added up (their
-shards tile the full image; halos are counted too). Transient buffers are not counted.
+shards tile the full image). Transient buffers are not counted; halo windows and any tensor a spatial op
+saves where the plain op would not are, so it overstates one device by our own per-rank overhead.
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ class SpatialSummary(L.Callback):
             "validation excluded)",
             f"peak memory per rank ({kind}): " + ", ".join(f"r{i} {_mib(r['peak'])}" for i, r in enumerate(ranks)),
             f"  rank 0: model state {_mib(state)} + activations saved for backward {_mib(saved[0])}",
-            f"  one device, same images (estimate: model state + the saved activations of the {spatial} spatial "
-            f"rank(s) of group 0; transient buffers not counted): {_mib(one_device)}",
+            f"  one device, same images (estimate: model state + the activations the {spatial} rank(s) of spatial "
+            "group 0 saved; transient buffers not counted; overstated where the spatial ops save more per pixel "
+            f"than the plain ones): {_mib(one_device)}",
         ]
         lines += _paths(trainer)
         _print(trainer, "\n".join(lines))
