@@ -246,18 +246,26 @@ def _completed(state, bucket):
     return fut
 
 
-def main() -> None:
-    args = parse()
+def setup(args) -> tuple[torch.device, bool]:
+    """This process's device, and whether its ranks are real (under torchrun) or one rank of a fake group."""
     real = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
-    if real:
+    if real and not dist.is_initialized():
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
-    else:
-        device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if real else 0
+    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
+    if not real and args.fake_p2p == "noop":
+        # Nothing arrives through the fake backend anyway; skipping its send/recv calls keeps the library's
+        # host time out of one rank's compute (measured on the H200: within noise, docs/benchmarks.md).
+        dist.batch_isend_irecv = _no_messages
+    return device, real
+
+
+def main() -> None:
+    args = parse()
+    device, real = setup(args)
     rows = []
     grid = [
         (w, int(s), lay, prec, ck == "1")
@@ -267,10 +275,6 @@ def main() -> None:
         for prec in args.precisions.split(",")
         for ck in args.ckpt.split(",")
     ]
-    if not real and args.fake_p2p == "noop":
-        # Nothing arrives through the fake backend anyway; skipping its send/recv calls keeps the library's
-        # host time out of one rank's compute (measured on the H200: within noise, docs/benchmarks.md).
-        dist.batch_isend_irecv = _no_messages
     for width, s, layout, precision, ckpt in grid:
         if real and s != dist.get_world_size():
             continue
