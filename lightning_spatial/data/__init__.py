@@ -1,21 +1,19 @@
-"""Data modules for the recipes (no strategy imports): synthetic wide scenes, and surround-camera sources
-(synthetic, nuScenes, packed records) that all produce the shared BEV batch (``collate_surround``)."""
+"""Data modules for the recipes (no strategy imports): synthetic wide scenes, images from a folder, and
+surround-camera sources (synthetic, nuScenes, packed records) that all produce the shared BEV batch
+(``collate_surround``)."""
 
-<<<<<<< HEAD
 from .batch import CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample, collate_surround, normalise
+from .folder import ImageFolderData
 from .nuscenes import NuScenes, NuScenesSurround
 from .records import DEFAULT_FORMAT, PackedSurround, write_records
-=======
-from .folder import ImageFolderData
->>>>>>> userday
 from .scenes import SyntheticScenes
 from .surround import SurroundScenes, SurroundSynthetic
 
-<<<<<<< HEAD
 __all__ = [
     "CAMERAS",
     "CLASSES",
     "DEFAULT_FORMAT",
+    "ImageFolderData",
     "NuScenes",
     "NuScenesSurround",
     "POINT_CLOUD_RANGE",
@@ -28,6 +26,3 @@ __all__ = [
     "normalise",
     "write_records",
 ]
-=======
-__all__ = ["ImageFolderData", "SyntheticScenes"]
->>>>>>> userday
