@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.data import Dataset
 
-from .batch import CAMERAS, POINT_CLOUD_RANGE, check_sample
+from .batch import CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample
 from .datamodule import SurroundDataModule
 from .geometry import projection, rigid, yaw_matrix
 from .records import DEFAULT_FORMAT
@@ -55,10 +55,12 @@ def camera_rig(cameras: Sequence[str], size: tuple[int, int]) -> tuple[torch.Ten
     return torch.stack(intrinsics).float(), torch.stack(cam2ego).float()
 
 
-def sample_scene(g: torch.Generator, max_objects: int) -> Scene:
-    """A random scene drawn from ``g`` (a fixed sequence of draws, so a seed fixes the scene)."""
+def sample_scene(g: torch.Generator, max_objects: int, classes: Sequence[int] | None = None) -> Scene:
+    """A random scene drawn from ``g`` (a fixed sequence of draws, so a seed fixes the scene); ``classes``
+    (indices into ``CLASSES``) limits the objects to those classes."""
     count = int(torch.randint(0, max_objects + 1, (1,), generator=g))
-    labels = torch.multinomial(FREQUENCY, max(count, 1), replacement=True, generator=g)[:count]
+    frequency = FREQUENCY if classes is None else torch.zeros_like(FREQUENCY).index_fill(0, torch.tensor(classes), 1)
+    labels = torch.multinomial(frequency, max(count, 1), replacement=True, generator=g)[:count]
     wlh = SIZES[labels] * (0.9 + 0.2 * torch.rand(count, 3, generator=g))
     radius, bearing, yaw, moving = (torch.rand(count, generator=g) for _ in range(4))
     radius, bearing, yaw = 6 + 42 * radius, math.tau * bearing - math.pi, math.tau * yaw - math.pi
@@ -104,6 +106,13 @@ def labelled(boxes: torch.Tensor, lidar2img: torch.Tensor, size: tuple[int, int]
     return seen.any(0) & ((boxes[:, :3] >= low) & (boxes[:, :3] <= high)).all(1)
 
 
+def _reindex(labels: torch.Tensor, subset: list[int]) -> torch.Tensor:
+    """Labels as indices into the class subset instead of ``CLASSES``."""
+    lookup = torch.full((len(CLASSES),), -1, dtype=labels.dtype)
+    lookup[torch.tensor(subset)] = torch.arange(len(subset), dtype=labels.dtype)
+    return lookup[labels]
+
+
 class SurroundScenes(Dataset):
     """``num_samples`` synthetic surround samples (see the module docstring); uint8 images, collate normalises."""
 
@@ -117,8 +126,14 @@ class SurroundScenes(Dataset):
         seed: int = 0,
         max_objects: int = 20,
         dt: float = 0.5,
+        classes: Sequence[str] | None = None,
     ):
         names = CAMERAS[:cameras] if isinstance(cameras, int) else tuple(cameras)
+        unknown = set(classes or ()) - set(CLASSES)
+        if unknown or (classes is not None and not classes):
+            raise ValueError(f"classes={classes!r}: choose a non-empty subset of {CLASSES}")
+        # labels index ``classes`` (the model's and the metric's class list) when a subset is asked for
+        self.classes = tuple(classes) if classes is not None else CLASSES
         if (isinstance(cameras, int) and not 1 <= cameras <= len(RIG)) or not set(names) <= RIG.keys():
             raise ValueError(f"cameras={cameras!r}: the synthetic rig calibrates {len(RIG)} cameras, {CAMERAS}")
         if height < 1 or width < 1:
@@ -136,6 +151,7 @@ class SurroundScenes(Dataset):
             "height": h,
             "width": w,
             "temporal": self.temporal,
+            "classes": list(self.classes),
         }
 
     def __len__(self) -> int:
@@ -145,7 +161,8 @@ class SurroundScenes(Dataset):
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range for {self.num_samples} synthetic scenes")
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        scene = sample_scene(g, self.max_objects)
+        subset = None if self.classes == CLASSES else [CLASSES.index(c) for c in self.classes]
+        scene = sample_scene(g, self.max_objects, subset)
         ego_speed, yaw_rate = 10 * torch.rand(1, generator=g).item(), 0.6 * torch.rand(1, generator=g).item() - 0.3
         keep = labelled(scene.boxes, self.lidar2img, self.size)
         sample = {
@@ -154,7 +171,7 @@ class SurroundScenes(Dataset):
             "intrinsics": self.intrinsics,
             "cam2ego": self.cam2ego,
             "boxes": scene.boxes[keep],
-            "labels": scene.labels[keep],
+            "labels": scene.labels[keep] if subset is None else _reindex(scene.labels[keep], subset),
         }
         if self.temporal:
             turn = -yaw_rate * self.dt  # the previous ego pose in the current ego frame
@@ -183,6 +200,7 @@ class SurroundSynthetic(SurroundDataModule):
         num_workers: int = 0,
         seed: int = 0,
         max_objects: int = 20,
+        classes: Sequence[str] | None = None,
         records_dir: str | None = None,
         records_format: str = DEFAULT_FORMAT,
     ):
@@ -191,7 +209,8 @@ class SurroundSynthetic(SurroundDataModule):
 
     def datasets(self) -> tuple[SurroundScenes, SurroundScenes]:
         h = self.hparams
-        common = dict(cameras=h.cameras, temporal=h.temporal, max_objects=h.max_objects)
+        classes = list(h.classes) if h.classes is not None else None  # Hydra hands a ListConfig
+        common = dict(cameras=h.cameras, temporal=h.temporal, max_objects=h.max_objects, classes=classes)
         return (
             SurroundScenes(h.num_samples, h.height, h.width, seed=h.seed, **common),
             SurroundScenes(h.val_samples, h.height, h.width, seed=h.seed + 1, **common),

@@ -57,7 +57,7 @@ def test_previous_frame_shows_objects_where_prev_lidar2img_puts_them(monkeypatch
     includes the ego motion) must find it there in the previous images, and ground where it is now."""
     box = torch.tensor([[15.0, 2.0, 0.9, 1.0, 1.0, 1.8, math.pi / 2, 0.0, 8.0]])
     scene = Scene(box, torch.tensor([0]), 3, SUN_FROM_FRONT)
-    monkeypatch.setattr(surround, "sample_scene", lambda g, max_objects: scene)
+    monkeypatch.setattr(surround, "sample_scene", lambda g, max_objects, classes=None: scene)
     sample = SurroundScenes(1, 64, 176, cameras=1, temporal=True)[0]
     assert not torch.equal(sample["prev_lidar2img"], sample["lidar2img"])  # the ego vehicle moved
 
@@ -77,7 +77,7 @@ def test_ground_texture_is_fixed_in_the_world(monkeypatch):
     """Ground points seen in both frames keep their colour (up to a little haze), which ties the images to
     the ego motion; the same points shifted by 2.5 m (other texture cells) do not."""
     scene = Scene(torch.zeros(0, 9), torch.zeros(0, dtype=torch.long), 11, SUN_FROM_FRONT)
-    monkeypatch.setattr(surround, "sample_scene", lambda g, max_objects: scene)
+    monkeypatch.setattr(surround, "sample_scene", lambda g, max_objects, classes=None: scene)
     sample = SurroundScenes(1, 64, 176, cameras=1, temporal=True)[0]
     g = torch.Generator().manual_seed(0)
     points = torch.stack([8 + 8 * torch.rand(200, generator=g), 4 * torch.rand(200, generator=g) - 2], 1)
@@ -150,3 +150,15 @@ def test_empty_scenes_train():
                         enable_model_summary=False, limit_val_batches=0, accelerator="cpu", devices=1)  # fmt: skip
     trainer.fit(model, data)
     assert trainer.global_step == 2 and not torch.equal(before, model.head.weight)
+
+
+def test_a_class_subset_draws_only_those_classes_indexed_in_the_subset():
+    classes = ["pedestrian", "car"]
+    scenes = SurroundScenes(24, 16, 44, max_objects=6, classes=classes)
+    labels = torch.cat([scenes[i]["labels"] for i in range(len(scenes))])
+    boxes = torch.cat([scenes[i]["boxes"] for i in range(len(scenes))])
+    assert set(labels.tolist()) == {0, 1}
+    length = boxes[:, 4]  # cars are ~4.6 m long, pedestrians ~0.7 m (surround.SIZES)
+    assert (length[labels == 1] > 4).all() and (length[labels == 0] < 1).all()
+    with pytest.raises(ValueError, match="non-empty subset of"):
+        SurroundScenes(4, 16, 44, classes=["car", "tram"])
