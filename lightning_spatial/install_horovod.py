@@ -10,6 +10,9 @@ compile CUDA paths it cannot link. We take the sdist from the package registry, 
 to torch's (and, without GPUs, build the CPU extension), build a wheel without build isolation (against
 the installed torch) and cache it under
 ``~/.cache/lightning_spatial/wheels`` keyed by Python, torch and GPU support, so repeat installs are fast.
+
+System prerequisites: a C++ compiler for torch's C++ standard (g++ >= 10 or clang for C++20), ``make`` and
+the Python headers (Debian/Ubuntu: ``apt-get install g++ make python3-dev``); CMake comes from PyPI if missing.
 """
 
 from __future__ import annotations
