@@ -26,7 +26,7 @@ class SpatialDims:
     spatial_w: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "spatial_h", "spatial_w"):
+        for name in ("spatial_h", "spatial_w", "world_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.world_size % self.spatial_size:
