@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from datetime import timedelta
 
 import lightning as L
 import pytest
@@ -221,6 +223,22 @@ def test_activation_checkpointing_matches_single_device():
     trainer(spatial=None).fit(reference, loader(data, 4))
     trainer(2, 2).fit(ours, loader(data, 4))
     assert_same_weights(ours, reference)
+
+
+def _stalled_neighbour():
+    mesh = SpatialDims(2, 1, 2).build("cpu", timedelta(seconds=2))
+    if dist.get_rank() == 1:
+        time.sleep(8)  # never joins the exchange
+        return
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="[Tt]imed out"):
+        dist.all_reduce(torch.ones(1), group=mesh.get_group("spatial_w"))
+    assert time.monotonic() - start < 6
+
+
+def test_a_stalled_neighbour_raises_after_the_timeout():
+    """Every mesh group gets the strategy's timeout (init_device_mesh's subgroups waited 30 min)."""
+    run_spmd(_stalled_neighbour, 2, timeout=30)
 
 
 def test_spatial_dims_validate_without_processes():
