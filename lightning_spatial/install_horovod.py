@@ -14,8 +14,11 @@ it under ``~/.cache/lightning_spatial/wheels`` keyed by Python, torch and GPU su
 
 With a GPU, collectives run on NCCL: the NCCL that torch's wheel ships (``nvidia-nccl-*``) unless
 ``HOROVOD_NCCL_HOME`` names another, CUDA kernels built only for the GPUs present (``HOROVOD_BUILD_CUDA_CC_LIST``),
-as C++17 (CUDA 13's minimum). What a build needs (C++ compiler, make, Python headers; with a GPU also nvcc,
-the CUDA headers and NCCL) is checked first, and a missing piece is named.
+as C++17 (CUDA 13's minimum).
+
+System prerequisites: a C++ compiler for torch's C++ standard (g++ >= 10 or clang for C++20), ``make`` and
+the Python headers (Debian/Ubuntu: ``apt-get install g++ make python3-dev``); CMake comes from PyPI if missing;
+with a GPU also nvcc, the CUDA headers and NCCL. What is missing is named before the build starts.
 """
 
 from __future__ import annotations

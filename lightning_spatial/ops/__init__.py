@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from ..tensor import HANDLERS
-from . import conv, elementwise, loss, norm, pad, pool, queries, random, reduce, resample, sample, shape
+from . import autograd, conv, elementwise, loss, norm, pad, pool, queries, random, reduce, resample, sample, shape
 
-# Later families override earlier ones (e.g. ``shape`` handles the ``mT`` property ``queries`` would answer).
-FAMILIES = (elementwise, queries, conv, pad, pool, norm, resample, sample, random, reduce, shape, loss)
+# Later families override earlier ones (e.g. ``shape`` handles the ``mT`` property ``queries`` would answer,
+# ``autograd`` the ``grad`` property).
+FAMILIES = (elementwise, queries, autograd, conv, pad, pool, norm, resample, sample, random, reduce, shape, loss)
 
 
 def install() -> None:
