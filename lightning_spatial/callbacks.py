@@ -159,12 +159,14 @@ def _mesh(trainer: L.Trainer) -> str:
 
 
 def _comm_hook(trainer: L.Trainer) -> list[str]:
-    """A requested DDP comm hook (gradient compression) and whether it runs: Lightning registers it on CUDA only."""
-    hook = getattr(trainer.strategy, "_ddp_comm_hook", None)
+    """A requested DDP comm hook (gradient compression) and whether it runs: SpatialParallelStrategy registers it
+    on CPU and GPU, Lightning's DDP on CUDA only."""
+    ours = getattr(trainer.strategy, "_user_comm_hook", None)
+    hook = ours[1] if ours is not None else getattr(trainer.strategy, "_ddp_comm_hook", None)
     if hook is None:
         return []
     name = getattr(hook, "__name__", repr(hook))
-    if trainer.strategy.root_device.type == "cuda":
+    if ours is not None or trainer.strategy.root_device.type == "cuda":
         return [f"gradient all-reduce: DDP comm hook {name}"]
     return [f"gradient all-reduce: DDP comm hook {name} NOT registered (Lightning registers comm hooks on CUDA only)"]
 

@@ -212,6 +212,13 @@ class SpatialParallelStrategy(DDPStrategy):
         return _sync_ddp_if_available(tensor, self._over_data(group), reduce_op=reduce_op)
 
     @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank votes (ModelCheckpoint, EarlyStopping), so count over the world, not the data axis."""
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes)
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
         tensor = gather(tensor) if isinstance(tensor, SpatialTensor) else tensor
         return super().all_gather(tensor, self._over_data(group), sync_grads)
