@@ -160,6 +160,40 @@ def test_benchmark_under_torchrun(tmp_path):
     assert row["spatial"] == 2 and row["halo_mib_per_step"] > 0 and row["ours_ms"] > 0 and row["shard_ms"] > 0
 
 
+def test_petr_benchmark_smoke_on_cpu(tmp_path):
+    """The surround-camera detector task of the benchmark: one device, then one rank of 2 (fake group)."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), "--device", "cpu", "--model", "petr_tiny"]
+    cmd += ["--cameras", "2", "--batch", "1", "--height", "64", "--widths", "176", "--spatial", "1,2"]
+    done = subprocess.run(
+        [*cmd, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert [(r["spatial"], r["baseline"]) for r in rows] == [(1, "one device"), (2, "one device")]
+    assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows) and rows[1]["halo_mib_per_step"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["spatial_tp", "ddp"])
+def test_trainer_benchmark_under_torchrun(strategy, tmp_path):
+    """Step time through the Trainer (module, DataLoader, collate hook) on 2 gloo ranks; no timing is asserted."""
+    args = [
+        "--accelerator",
+        "cpu",
+        "--strategy",
+        strategy,
+        "--model",
+        "convnext_atto",
+        "--height",
+        "32",
+        "--width",
+        "64",
+    ]
+    torchrun_2("bench_trainer.py", *args, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+    (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
+    assert row["world"] == 2 and row["strategy"] == strategy and row["step_ms"] > 0
+
+
 def test_dispatch_overhead_smoke():
     """The per-op host-time script runs every op on plain and sharded tensors; no timing is asserted."""
     cmd = [sys.executable, str(ROOT / "recipes" / "dispatch_overhead.py"), "--calls", "20", "--repeats", "1"]

@@ -1,0 +1,151 @@
+"""Step time through Lightning's Trainer, as users train: a LightningModule, a DataLoader (with the strategy's
+collate hook), any strategy. Compares strategies on the same model and global batch in one place.
+
+    torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy ddp --model convnext_large --batch 2
+    horovodrun -np 2 -H localhost:2 python recipes/bench_trainer.py --strategy horovod --model convnext_large --batch 2
+    torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --model convnext_large --batch 4
+    python recipes/bench_trainer.py --strategy single --model petr --batch 1 --height 512 --width 1408
+
+``--batch`` is per process for data parallel strategies and per spatial group for ``spatial_tp`` (every rank of
+a group loads the same samples and keeps its columns). Samples are fixed random images held in memory, so the
+loader costs only the copy; the median of the timed steps (forward, backward, optimizer) and rank 0's peak memory are
+reported by rank 0. CPU smoke run: ``--accelerator cpu --model convnext_atto --height 32 --width 64``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_spatial  # noqa: F401 - registers "spatial_tp" and "horovod"
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strategy", default="single", help="single | ddp | horovod | spatial_tp")
+    p.add_argument("--spatial", type=int, default=0, help="spatial_tp group size (default: all processes)")
+    p.add_argument("--model", default="convnext_large", help="a timm classifier, or petr / petr_tiny")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--cameras", type=int, default=6)
+    p.add_argument("--height", type=int, default=512)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
+    p.add_argument("--compression", default="none", help="horovod: none | fp16")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--accelerator", default="gpu")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    return p.parse_args()
+
+
+class Fixed(Dataset):
+    """One random sample, returned ``length`` times: the loader costs a copy, never generation."""
+
+    def __init__(self, sample: dict, length: int):
+        self.sample, self.length = sample, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict:
+        return self.sample
+
+
+def model_and_data(args, length: int):
+    g = torch.Generator().manual_seed(0)
+    if args.model.startswith("petr"):
+        from lightning_spatial.data import collate_surround
+        from lightning_spatial.data.geometry import projection
+        from lightning_spatial.data.surround import CAMERAS, camera_rig
+        from lightning_spatial.models.bev import PETR
+
+        intrinsics, cam2ego = camera_rig(CAMERAS[: args.cameras], (args.height, args.width))
+        centres = torch.rand(10, 2, generator=g) * 80 - 40
+        sample = {
+            "images": torch.randint(0, 256, (args.cameras, 3, args.height, args.width), dtype=torch.uint8, generator=g),
+            "lidar2img": projection(intrinsics, cam2ego),
+            "boxes": torch.cat([centres, torch.tensor([[0.9, 1.9, 4.6, 1.7, 0.3, 2.0, 0.0]]).expand(10, -1)], 1),
+            "labels": torch.zeros(10, dtype=torch.long),
+        }
+        model = PETR.tiny() if args.model == "petr_tiny" else PETR()
+        return model, DataLoader(Fixed(sample, length), args.batch, collate_fn=collate_surround, num_workers=2)
+    from lightning_spatial.models import ImageTask
+
+    sample = {"image": torch.randn(3, args.height, args.width, generator=g), "label": torch.tensor(1)}
+    model = ImageTask(backbone=args.model, task="classification", num_classes=10, lr=1e-4)
+    return model, DataLoader(Fixed(sample, length), args.batch, num_workers=2, pin_memory=True)
+
+
+class StepTimer(L.Callback):
+    def __init__(self, warmup: int):
+        self.warmup, self.times = warmup, []
+
+    def _sync(self, trainer) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._sync(trainer)
+        if batch_idx == self.warmup and trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._sync(trainer)
+        if batch_idx >= self.warmup:
+            self.times.append((time.perf_counter() - self.start) * 1e3)
+
+
+def strategy(args):
+    from lightning_spatial import HorovodStrategy, SpatialParallelStrategy
+
+    if args.strategy == "spatial_tp":
+        return SpatialParallelStrategy(args.spatial or None)
+    if args.strategy == "horovod":
+        return HorovodStrategy(compression=args.compression)
+    return {"single": "auto", "ddp": "ddp"}[args.strategy]
+
+
+def main() -> None:
+    args = parse()
+    devices = 1 if args.strategy in ("single", "horovod") else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    model, loader = model_and_data(args, (args.warmup + args.steps) * args.batch * 8)
+    timer = StepTimer(args.warmup)
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=devices,
+        strategy=strategy(args),
+        precision=args.precision,
+        max_steps=args.warmup + args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    trainer.fit(model, loader)
+    device = trainer.strategy.root_device
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    row = {
+        **{k: v for k, v in vars(args).items() if k != "out"},
+        "world": trainer.world_size,
+        "step_ms": statistics.median(timer.times),
+        "peak_gib_rank0": round(peak, 2),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    if trainer.global_rank == 0:
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(args.out, "bench_trainer.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
