@@ -14,15 +14,15 @@ from lightning_spatial.tensor import _warned, wrap
 RTOL = 1e-5
 
 
-def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """fp32 relative tolerance: max |actual - expected| <= 1e-5 * max |expected| (exact for integers)."""
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL) -> None:
+    """Relative tolerance (fp32's by default): max |actual - expected| <= rtol * max |expected| (exact for integers)."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     if not expected.is_floating_point():
         assert torch.equal(actual, expected), f"{what}: integer results differ"
         return
     scale = expected.abs().max().clamp_min(torch.finfo(expected.dtype).tiny)
     err = (actual - expected).abs().max()
-    assert err <= RTOL * scale, f"{what}: max abs error {err:.3e} > {RTOL} * {scale:.3e}"
+    assert err <= rtol * scale, f"{what}: max abs error {err:.3e} > {rtol} * {scale:.3e}"
 
 
 def check(
@@ -32,6 +32,7 @@ def check(
     axes: dict,
     seed: int = 0,
     allow_fallback: bool = False,
+    rtol: float = RTOL,
 ) -> None:
     """Compare ``op`` on shards of ``inputs[i]`` (i in ``sharded``) with ``op`` on the full tensors.
 
@@ -39,6 +40,7 @@ def check(
     are compared slice by slice; replicated inputs' gradients (weights) are summed over the group, the
     split-gradient convention the strategy relies on. Unless ``allow_fallback``, the op must run through
     spatial handlers: an exact gather-and-run fallback would hide a missing or misregistered handler.
+    ``rtol`` is fp32's; float64 tests pass a float64 tolerance.
     """
     ref_inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     ref_out = op(*ref_inputs)
@@ -70,7 +72,7 @@ def check(
     world = dist.get_world_size()
     loss, ref_loss = 0.0, 0.0
     for k, (o, r) in enumerate(zip(outs, ref_outs)):
-        assert_rel_close(gather(o).detach(), r.detach(), f"output {k}")
+        assert_rel_close(gather(o).detach(), r.detach(), f"output {k}", rtol)
         if not r.is_floating_point():
             continue
         g = torch.randn(r.shape, generator=upstream, dtype=r.dtype)
@@ -90,8 +92,8 @@ def check(
         if expected is None:
             continue
         if layout is not None:
-            assert_rel_close(local.grad, layout.take_local(expected), f"grad of input {i}")
+            assert_rel_close(local.grad, layout.take_local(expected), f"grad of input {i}", rtol)
         else:
             total = local.grad.clone()
             dist.all_reduce(total)
-            assert_rel_close(total, expected, f"grad of input {i} (summed over ranks)")
+            assert_rel_close(total, expected, f"grad of input {i} (summed over ranks)", rtol)

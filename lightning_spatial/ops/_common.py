@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils._pytree import tree_map
 
 from ..halo import fetch_window
 from ..layout import DimShard, Layout, LayoutError, partition
@@ -92,3 +93,16 @@ def fetch_windows(
 
 def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:
     return layout.with_sizes({s.dim: out_sizes[i] for i, s in shards.items()})
+
+
+def meta_check(func: Callable, *args, **kwargs):
+    """Run ``func`` on meta tensors of the operands' global shapes: torch's own argument errors (shapes,
+    dtypes, mask sizes) on every rank before any message, at no memory cost. Returns the meta result."""
+
+    def meta(t):
+        if isinstance(t, torch.Tensor):
+            return torch.empty(t.shape, dtype=t.dtype, device="meta")  # a SpatialTensor's shape is global
+        return t
+
+    args, kwargs = tree_map(meta, (args, kwargs))
+    return func(*args, **kwargs)
