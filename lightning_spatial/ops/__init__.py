@@ -3,10 +3,42 @@
 from __future__ import annotations
 
 from ..tensor import HANDLERS
-from . import attention, conv, elementwise, loss, matmul, norm, pad, pool, queries, random, reduce, resample, shape
+from . import (
+    attention,
+    conv,
+    elementwise,
+    index,
+    loss,
+    matmul,
+    norm,
+    pad,
+    pool,
+    queries,
+    random,
+    reduce,
+    resample,
+    select,
+    shape,
+)
 
 # Later families override earlier ones (e.g. ``shape`` handles the ``mT`` property ``queries`` would answer).
-FAMILIES = (elementwise, queries, conv, pad, pool, norm, resample, random, reduce, shape, loss, matmul, attention)
+FAMILIES = (
+    elementwise,
+    queries,
+    conv,
+    pad,
+    pool,
+    norm,
+    resample,
+    random,
+    reduce,
+    shape,
+    loss,
+    matmul,
+    attention,
+    index,
+    select,
+)
 
 
 def install() -> None:

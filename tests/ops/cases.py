@@ -5,8 +5,11 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
+import torch.distributed as dist
 
+from lightning_spatial import shard
 from tests.oracle import RTOL, check
 from tests.spmd import axes
 
@@ -27,3 +30,20 @@ def check_cases(layout: str, dtype: str, cases: Cases) -> None:
             check(op, inputs, sharded, mesh_axes, rtol=rtol)
         except AssertionError as e:
             raise AssertionError(f"case {name!r} on {layout}: {e}") from None
+
+
+def raises_like_one_device(
+    layout: str, op: Callable, inputs: Sequence[torch.Tensor], sharded: Sequence[int], message=True
+):
+    """Only rank 0 calls ``op`` on shards of ``inputs``: it must raise what ``op`` raises on the full tensors on
+    one process (type, and message unless ``message=False``) before any communication; the other ranks wait at
+    a barrier, so an op that communicated first would hang (the harness reports the time-out)."""
+    mesh_axes = axes(layout)  # building process groups is itself collective: every rank does it
+    if dist.get_rank() == 0:
+        with pytest.raises(Exception) as one_device:
+            op(*inputs)
+        ours = [shard(t, mesh_axes) if i in sharded else t for i, t in enumerate(inputs)]
+        with pytest.raises(type(one_device.value)) as spatial:
+            op(*ours)
+        assert not message or str(spatial.value) == str(one_device.value), (str(spatial.value), str(one_device.value))
+    dist.barrier()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from tests.ops.cases import DTYPES, check_cases
+from tests.ops.cases import DTYPES, check_cases, raises_like_one_device
 from tests.spmd import LAYOUTS, run_spmd
 
 B, HEADS, E, LQ, H = 2, 2, 4, 6, 5
@@ -233,3 +233,32 @@ def _cases(layout, dtype):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_attention_matches_one_device(layout, dtype):
     run_spmd(_cases, LAYOUTS[layout][0], layout, dtype)
+
+
+ERRORS = {  # name -> (inputs, op, sharded, same message as one device)
+    "sdpa_mask_of_another_key_count": (
+        lambda: [_q(), _maps("w2"), torch.ones(LQ, H * 8 + 1, dtype=torch.bool)],
+        lambda q, m, keep: F.scaled_dot_product_attention(q, *kv(m), attn_mask=keep),
+        [1],
+        False,  # torch's message depends on the kernel it picks; ours comes from its meta kernel
+    ),
+    "mha_attn_mask_of_another_key_count": (
+        lambda: [torch.randn(B, LQ, C), _maps("w2", C), torch.ones(LQ, H * 8 - 1, dtype=torch.bool)],
+        lambda q, m, block: _MHA(q, tokens(m), tokens(m), attn_mask=block),
+        [1],
+        True,
+    ),
+    "mha_key_padding_mask_of_another_key_count": (
+        lambda: [torch.randn(B, LQ, C), _maps("w2", C), torch.ones(B, H * 8 - 2, dtype=torch.bool)],
+        lambda q, m, pad: _MHA(q, tokens(m), tokens(m), key_padding_mask=pad),
+        [1],
+        True,
+    ),
+}
+_MHA = torch.nn.MultiheadAttention(C, HEADS, batch_first=True)
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_bad_masks_raise_torchs_error_before_communicating(case):
+    make, op, sharded, message = ERRORS[case]
+    run_spmd(raises_like_one_device, 2, "w2", op, make(), sharded, message, timeout=30)
