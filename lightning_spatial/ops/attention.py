@@ -116,17 +116,18 @@ def _math(query, key, value, mask, dropout_p: float, scale: float | None):
 
 
 def _bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """The mask as the kernels take it: additive, in the query dtype; on CUDA expanded, with rows aligned to
-    8 elements as torch's own SDPA pads them for the memory-efficient kernel."""
+    """The mask as the kernels take it: additive, in the query dtype; on CUDA expanded to 4-D with rows aligned
+    to 16 elements, as torch's own SDPA prepares it for the memory-efficient kernel."""
     if mask is None:
         return None
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(mask.logical_not(), -math.inf)
     mask = mask.to(q.dtype)
     if q.is_cuda:
-        n = mask.shape[-1]
-        mask = F.pad(mask, (0, -n % 8))[..., :n] if n % 8 or not mask.is_contiguous() else mask
         mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        n = mask.shape[-1]
+        if n % 16 or mask.stride(-1) != 1 or any(stride % 16 for stride in mask.stride()[:-1]):
+            mask = F.pad(mask, (0, -n % 16))[..., :n]
     return mask
 
 
