@@ -63,11 +63,11 @@ def scaled_dot_product_attention(
         if dropout_p > 0:
             return _math(query, key, value, attn_mask, dropout_p, scale)
         return wrap(F.scaled_dot_product_attention(q, k, v, _local_mask(attn_mask, lq), scale=scale), lq)
-    bias = _bias(_local_mask(attn_mask, Layout(_moved(lk.shards, -1))), q, k)
+    bias, blind = _bias(_local_mask(attn_mask, Layout(_moved(lk.shards, -1))), q, k)
     grad_mask = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
     if dropout_p > 0 or grad_mask or not _fused(q, k, v, bias):
         return _math(query, key, value, attn_mask, dropout_p, scale)
-    return _ShardedKeys.apply(q, k, v, bias, scale, lk.shards)
+    return _ShardedKeys.apply(q, k, v, bias, blind, scale, lk.shards)
 
 
 def _local_mask(mask, target: Layout | None) -> torch.Tensor | None:
@@ -115,20 +115,22 @@ def _math(query, key, value, mask, dropout_p: float, scale: float | None):
 # -- replicated queries, sharded keys: fused kernels that return the log-sum-exp -------------------------
 
 
-def _bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+def _bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor):
     """The mask as the kernels take it: additive, in the query dtype; on CUDA expanded to 4-D with rows aligned
-    to 16 elements, as torch's own SDPA prepares it for the memory-efficient kernel."""
+    to 16 elements, as torch's own SDPA prepares it for the memory-efficient kernel. Also the query rows that
+    see none of this rank's keys (from the compact mask, before any expansion)."""
     if mask is None:
-        return None
+        return None, None
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(mask.logical_not(), -math.inf)
     mask = mask.to(q.dtype)
+    blind = torch.isneginf(mask).all(-1)
     if q.is_cuda:
         mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         n = mask.shape[-1]
         if n % 16 or mask.stride(-1) != 1 or any(stride % 16 for stride in mask.stride()[:-1]):
             mask = F.pad(mask, (0, -n % 16))[..., :n]
-    return mask
+    return mask, blind
 
 
 def _fused(q, k, v, bias) -> bool:
@@ -168,12 +170,12 @@ class _ShardedKeys(torch.autograd.Function):
     """Replicated queries attend to this rank's keys; the per-rank results merge exactly by their log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale, shards):
+    def forward(ctx, q, k, v, bias, blind, scale, shards):
         out, lse, state = _kernel(q, k, v, bias, scale)
         rows = q.shape[-2]  # the CUDA kernel pads lse's query dim
         mine = lse[..., :rows]
-        if bias is not None:  # a row that sees none of this rank's keys must weigh nothing
-            mine = mine.masked_fill(torch.isneginf(bias).all(-1), -math.inf)
+        if blind is not None:  # a row that sees none of this rank's keys must weigh nothing
+            mine = mine.masked_fill(blind, -math.inf)
         top = across_detached(mine, shards, dist.ReduceOp.MAX)
         top = top.masked_fill(torch.isneginf(top), 0)  # rows no rank sees: every weight is 0
         weight = torch.exp(mine - top).unsqueeze(-1)
@@ -193,7 +195,7 @@ class _ShardedKeys(torch.autograd.Function):
         q, k, v, bias, out, lse, *state = ctx.saved_tensors
         grad = across_detached(grad, ctx.shards).contiguous()  # the sum of the output gradient's splits
         dq, dk, dv = _kernel_backward(grad, q, k, v, bias, out, lse, state, ctx.scale)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 # -- nn.MultiheadAttention -----------------------------------------------------------------------------------
