@@ -183,6 +183,29 @@ MODULES = {
             [1],
         ),
     ),
+    "mha_sharded_attn_mask_weights": (
+        _mha(batch_first=True),
+        (
+            lambda lay: [torch.randn(B, LQ, C), _maps(lay, C), torch.rand(LQ, H, _w(lay)) > 0.8],
+            lambda f, q, m, block: f(q, tokens(m), tokens(m), attn_mask=block.flatten(1)),
+            [1, 2],
+        ),
+    ),
+    "mha_is_causal_hint": (
+        _mha(batch_first=True),
+        (
+            lambda lay: [torch.randn(B, LQ, C), _maps(lay, C)],
+            lambda f, q, m: f(
+                q,
+                tokens(m),
+                tokens(m),
+                attn_mask=torch.ones(LQ, m.shape[-2] * m.shape[-1], dtype=torch.bool).triu(1),
+                is_causal=True,
+                need_weights=False,
+            )[0],
+            [1],
+        ),
+    ),
     "mha_kdim_vdim": (
         _mha(batch_first=True, kdim=6, vdim=3),
         (
