@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 from torch.utils._pytree import tree_map
@@ -93,6 +94,27 @@ def fetch_windows(
 
 def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:
     return layout.with_sizes({s.dim: out_sizes[i] for i, s in shards.items()})
+
+
+def negative_dim(dim: int, ndim: int) -> int:
+    return dim - ndim if dim >= 0 else dim
+
+
+def layout_of(shards) -> Layout | None:
+    """A layout of these shards; ``None`` (replicated) when there are none."""
+    shards = tuple(shards)
+    return Layout(shards) if shards else None
+
+
+def split_shards(layout: Layout | None, dim: int) -> tuple[tuple[DimShard, ...], tuple[DimShard, ...]]:
+    """(the shards of ``dim``, the other shards) of a layout (a merged dim has several)."""
+    shards = layout.shards if layout else ()
+    return tuple(s for s in shards if s.dim == dim), tuple(s for s in shards if s.dim != dim)
+
+
+def moved_shards(shards, dim: int) -> tuple[DimShard, ...]:
+    """The same shards on tensor dim ``dim`` (e.g. the keys' token dim as a mask's last dim)."""
+    return tuple(replace(s, dim=dim) for s in shards)
 
 
 def meta_check(func: Callable, *args, **kwargs):

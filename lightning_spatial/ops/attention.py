@@ -32,8 +32,7 @@ from torch.autograd.function import once_differentiable
 from ..collectives import across_detached
 from ..layout import Layout
 from ..tensor import SpatialTensor, fallback, gather, localize, unwrap, wrap
-from ._common import meta_check
-from .matmul import _moved
+from ._common import meta_check, moved_shards
 
 
 def _along(layout: Layout | None, dim: int) -> bool:
@@ -63,7 +62,7 @@ def scaled_dot_product_attention(
         if dropout_p > 0:
             return _math(query, key, value, attn_mask, dropout_p, scale)
         return wrap(F.scaled_dot_product_attention(q, k, v, _local_mask(attn_mask, lq), scale=scale), lq)
-    bias, blind = _bias(_local_mask(attn_mask, Layout(_moved(lk.shards, -1))), q, k)
+    bias, blind = _bias(_local_mask(attn_mask, Layout(moved_shards(lk.shards, -1))), q, k)
     grad_mask = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
     if dropout_p > 0 or grad_mask or not _fused(q, k, v, bias):
         return _math(query, key, value, attn_mask, dropout_p, scale)
@@ -85,7 +84,7 @@ def _causal(lq: Layout | None, lk: Layout | None, nq: int, nk: int, device) -> t
     """torch's ``is_causal`` mask (query i sees keys j <= i), only this rank's rows and columns of it."""
     rows = lq.positions(-2, device) if lq else torch.arange(nq, device=device)
     cols = lk.positions(-2, device) if lk else torch.arange(nk, device=device)
-    shards = (*(lq.shards if lq else ()), *_moved(lk.shards if lk else (), -1))
+    shards = (*(lq.shards if lq else ()), *moved_shards(lk.shards if lk else (), -1))
     return wrap(rows[:, None] >= cols[None, :], Layout(shards) if shards else None)
 
 

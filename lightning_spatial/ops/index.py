@@ -28,23 +28,9 @@ import torch.distributed as dist
 from ..collectives import across, across_detached
 from ..layout import Layout
 from ..tensor import SpatialTensor, fallback, localize, unwrap, wrap
-from ._common import meta_check
+from ._common import layout_of, meta_check, moved_shards, negative_dim, split_shards
 
 MAX, MIN = dist.ReduceOp.MAX, dist.ReduceOp.MIN
-
-
-def _neg(dim: int, ndim: int) -> int:
-    return dim - ndim if dim >= 0 else dim
-
-
-def _layout(shards) -> Layout | None:
-    return Layout(tuple(shards)) if shards else None
-
-
-def _split(layout: Layout | None, dim: int):
-    """(shards along ``dim``, the other shards) of a layout."""
-    shards = layout.shards if layout else ()
-    return tuple(s for s in shards if s.dim == dim), tuple(s for s in shards if s.dim != dim)
 
 
 def _part(func, t, layout: Layout | None):
@@ -63,8 +49,8 @@ def _scatter(func, call: tuple, input, source, dim: int, index_of, combine, inpl
     builds them), ``combine(dest, src, indices, along)`` scatters locally and reduces over the scattered dim's
     axes. Anything it cannot do exactly takes the fallback with the original ``call`` (args, kwargs)."""
     src, ls = unwrap(source)
-    along, kept = _split(ls, _neg(dim, src.dim()))
-    dest, idx = _part(func, input, _layout(kept)), index_of(along, kept)
+    along, kept = split_shards(ls, negative_dim(dim, src.dim()))
+    dest, idx = _part(func, input, layout_of(kept)), index_of(along, kept)
     plain_dest_cut = inplace and kept and not isinstance(input, SpatialTensor)  # its other rows are not ours
     if ls is None or dest is None or idx is None or plain_dest_cut:
         return fallback(func, *call)
@@ -72,7 +58,7 @@ def _scatter(func, call: tuple, input, source, dim: int, index_of, combine, inpl
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     result = combine(dest.clone() if inplace else dest, src, idx, along)
     if not inplace:
-        return wrap(result, _layout(kept))
+        return wrap(result, layout_of(kept))
     with torch._C.DisableTorchFunctionSubclass():
         return input.copy_(result)
 
@@ -82,13 +68,13 @@ def _index_add(inplace: bool):
 
     def index_add(input, dim, index, source, *, alpha=1):
         meta_check(torch.index_add, input, dim, index, source, alpha=alpha)
-        d = _neg(dim, source.dim())
+        d = negative_dim(dim, source.dim())
 
         def combine(dest, src, idx, along):
             return dest + across(torch.zeros_like(dest).index_add(d, idx, src, alpha=alpha), along)
 
         def index_of(along, kept):  # a 1-D index over the source's dim
-            return _part(func, index, _layout(replace(s, dim=-1) for s in along))
+            return _part(func, index, layout_of(moved_shards(along, -1)))
 
         return _scatter(
             func, ((input, dim, index, source), {"alpha": alpha}), input, source, dim, index_of, combine, inplace
@@ -112,7 +98,7 @@ def _scatter_reduce(inplace: bool, fixed: str | None = None):
         meta_check(func, *call[0], **kwargs)
         if reduce not in ("sum", "mean", "amax", "amin"):
             return fallback(func, *call)
-        d = _neg(dim, src.dim())
+        d = negative_dim(dim, src.dim())
 
         def combine(dest, src, idx, along):
             zeros = torch.zeros_like(dest)
@@ -160,14 +146,14 @@ def _index_put(inplace: bool):
         plain = all(isinstance(t, torch.Tensor) and not t.dtype == torch.bool for t in indices)
         if not accumulate or not plain or not along or vals.dim() != k + input.dim() - len(indices):
             return fallback(func, *call)
-        index_layout = _layout(replace(s, dim=s.dim + vals.dim() - k) for s in along)
+        index_layout = layout_of(replace(s, dim=s.dim + vals.dim() - k) for s in along)
         kept = tuple(s for s in lv.shards if s not in along)
-        dest, idx = _part(func, input, _layout(kept)), [_part(func, t, index_layout) for t in indices]
+        dest, idx = _part(func, input, layout_of(kept)), [_part(func, t, index_layout) for t in indices]
         if dest is None or any(i is None for i in idx) or (inplace and kept and not isinstance(input, SpatialTensor)):
             return fallback(func, *call)
         total = across(torch.zeros_like(dest).index_put(tuple(idx), vals, accumulate=True), along)
         if not inplace:
-            return wrap(dest + total, _layout(kept))
+            return wrap(dest + total, layout_of(kept))
         with torch._C.DisableTorchFunctionSubclass():
             return input.add_(total)
 
@@ -205,9 +191,9 @@ def _gather(func, take):
     def op(input, dim, index, call):
         meta_check(func, *call[0], **call[1])
         x, layout = unwrap(input)
-        d = _neg(dim, x.dim())
-        along, kept = _split(layout, d)
-        idx = _part(func, index, _layout(kept))
+        d = negative_dim(dim, x.dim())
+        along, kept = split_shards(layout, d)
+        idx = _part(func, index, layout_of(kept))
         if idx is None or layout is None:
             return fallback(func, *call)
         if not along:  # e.g. along channels, per pixel: local
@@ -219,7 +205,7 @@ def _gather(func, take):
         owners = layout.owners(d, x.device).view(view).expand(shape)
         where = take(owners, d, idx)  # torch's own range errors; -1 where another rank holds the entry
         picked = take(x, d, where.clamp_min(0))
-        return wrap(across(torch.where(where >= 0, picked, 0), along), _layout(kept))
+        return wrap(across(torch.where(where >= 0, picked, 0), along), layout_of(kept))
 
     return op
 
@@ -232,8 +218,8 @@ _take_along = _gather(torch.take_along_dim, lambda x, d, i: torch.take_along_dim
 def index_select(input, dim, index):
     """Along a sharded dim: ``take_along_dim`` with the index viewed along ``dim`` (it broadcasts)."""
     x, layout = unwrap(input)
-    d = _neg(dim, x.dim())
-    if isinstance(index, SpatialTensor) or not _split(layout, d)[0]:
+    d = negative_dim(dim, x.dim())
+    if isinstance(index, SpatialTensor) or not split_shards(layout, d)[0]:
         return _index_select(input, dim, index, ((input, dim, index), {}))  # local, or the fallback
     meta_check(torch.index_select, input, dim, index)
     view = [1] * x.dim()

@@ -9,18 +9,12 @@ result is replicated, and the all-reduce's adjoint hands every rank the whole re
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from ..collectives import across
 from ..layout import DimShard, Layout, LayoutError
 from ..tensor import fallback, name_of, unwrap, wrap
-from ._common import meta_check
-
-
-def _moved(shards, dim: int) -> tuple[DimShard, ...]:
-    return tuple(replace(s, dim=dim) for s in shards)
+from ._common import meta_check, moved_shards
 
 
 def _align(func, local: torch.Tensor, layout: Layout | None, want: tuple[DimShard, ...]) -> torch.Tensor:
@@ -44,14 +38,14 @@ def _product(func):
         a, la = unwrap(input)
         b, lb = unwrap(other)
         sa, sb = (la.shards if la else ()), (lb.shards if lb else ())
-        contracted = tuple(s for s in sa if s.dim == -1) or _moved((s for s in sb if s.dim == -2), -1)
+        contracted = tuple(s for s in sa if s.dim == -1) or moved_shards((s for s in sb if s.dim == -2), -1)
         rows, cols = [s for s in sa if s.dim == -2], [s for s in sb if s.dim == -1]
         batch = tuple({s for s in (*sa, *sb) if s.dim <= -3})
         axes = [s.axis for group in (rows, cols, contracted, batch) for s in group]
         if a.dim() < 2 or b.dim() < 2 or len(axes) != len(set(axes)):
             return fallback(func, (input, other), {})  # vectors, or two roles split over the same ranks
         a = _align(func, a, la, (*contracted, *batch))
-        b = _align(func, b, lb, (*_moved(contracted, -2), *batch))
+        b = _align(func, b, lb, (*moved_shards(contracted, -2), *batch))
         result = func(a, b)
         if contracted:
             result = across(result, contracted)

@@ -16,17 +16,16 @@ import torch
 
 from ..collectives import all_gather
 from ..tensor import fallback, gather, unwrap, wrap
-from ._common import meta_check
+from ._common import layout_of, meta_check, negative_dim, split_shards
 from .elementwise import elementwise
-from .index import _layout, _neg, _split
 from .reduce import reduced_layout
 
 
 def _select(input, k: int, dim: int, largest: bool):
     """(values, global indices) of the ``k`` largest (smallest) entries along a sharded ``dim``, sorted."""
     x, layout = unwrap(input)
-    d = _neg(dim, x.dim())
-    along, kept = _split(layout, d)
+    d = negative_dim(dim, x.dim())
+    along, kept = split_shards(layout, d)
     pos = x.dim() + d
     local = x.detach().sort(dim=d, descending=largest, stable=True)
     m = min(k, x.shape[d])
@@ -45,14 +44,14 @@ def _select(input, k: int, dim: int, largest: bool):
     order = index.argsort(d)  # candidates in global order, so that the stable sort keeps the lowest index first
     values, index = values.gather(d, order), index.gather(d, order)
     best = values.sort(dim=d, descending=largest, stable=True).indices.narrow(d, 0, k)
-    index = wrap(index.gather(d, best), _layout(kept))
+    index = wrap(index.gather(d, best), layout_of(kept))
     return torch.take_along_dim(input, index, d), index
 
 
 def topk(input, k, dim=-1, largest=True, sorted=True):
     meta_check(torch.topk, input, k, dim, largest, sorted)  # k out of range: torch's error
     x, layout = unwrap(input)
-    if not _split(layout, _neg(dim, x.dim()))[0]:
+    if not split_shards(layout, negative_dim(dim, x.dim()))[0]:
         values, index = x.topk(k, dim, largest, sorted)
         return torch.return_types.topk((wrap(values, layout), wrap(index, layout)))
     return torch.return_types.topk(_select(input, k, dim, largest))
@@ -70,9 +69,9 @@ def _extreme(largest: bool, func, plain):
             return binary(input, dim)
         meta_check(func, input, dim, keepdim)
         x, layout = unwrap(input)
-        if not _split(layout, _neg(dim, x.dim()))[0]:
+        if not split_shards(layout, negative_dim(dim, x.dim()))[0]:
             values, index = func(x, dim, keepdim)
-            layout = reduced_layout(layout, (_neg(dim, x.dim()),), keepdim)
+            layout = reduced_layout(layout, (negative_dim(dim, x.dim()),), keepdim)
             return result((wrap(values, layout), wrap(index, layout)))
         values, index = _select(input, 1, dim, largest)
         return result((values, index) if keepdim else (values.squeeze(dim), index.squeeze(dim)))
@@ -92,11 +91,11 @@ def _arg(largest: bool, func):
 def sort(input, dim=-1, descending=False, stable=False):
     meta_check(torch.sort, input, dim=dim, descending=descending, stable=stable)
     x, layout = unwrap(input)
-    d = _neg(dim, x.dim())
-    along, kept = _split(layout, d)
-    full = gather(wrap(x, _layout(along))) if along else x  # the whole dim, differentiable
+    d = negative_dim(dim, x.dim())
+    along, kept = split_shards(layout, d)
+    full = gather(wrap(x, layout_of(along))) if along else x  # the whole dim, differentiable
     values, index = torch.sort(full, dim=d, descending=descending, stable=stable)
-    return torch.return_types.sort((wrap(values, _layout(kept)), wrap(index, _layout(kept))))
+    return torch.return_types.sort((wrap(values, layout_of(kept)), wrap(index, layout_of(kept))))
 
 
 def argsort(input, dim=-1, descending=False, stable=False):
