@@ -200,7 +200,7 @@ def check(args, device) -> float:
         out = step_fn(model, queries, features, args, mask=~keep)()
         grads = [queries.grad, leaf.grad, *(p.grad for p in model.parameters())]
         results.append([out.detach(), *grads])  # the output is replicated: a plain tensor
-    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results))
+    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(*results))
     print(f"check: split vs single at S=1, max relative error {worst:.2e}", flush=True)
     return worst
 
@@ -228,7 +228,8 @@ def main() -> None:
     with open(os.path.join(args.out, "bench_attention.jsonl"), "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     print_table(rows)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
