@@ -7,6 +7,7 @@ StrategyRegistry.
 from __future__ import annotations
 
 from . import ops
+from .callbacks import SpatialSummary
 from .collectives import all_gather, all_reduce
 from .halo import fetch_window
 from .layout import Axis, DimShard, Layout, LayoutError, partition
@@ -39,6 +40,7 @@ __all__ = [
     "SpatialDims",
     "SpatialFallbackWarning",
     "SpatialParallelStrategy",
+    "SpatialSummary",
     "SpatialTensor",
     "all_gather",
     "all_reduce",

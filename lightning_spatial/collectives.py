@@ -1,7 +1,7 @@
 """Autograd-correct collectives under the split-gradient convention.
 
 A replicated tensor's gradient is held as splits across its spatial group that sum to the true gradient
-(``shared/design-notes.md`` §2). So sharded -> replicated by all-reduce has an all-reduce as adjoint, and
+(docs/design.md, "Gradients"). So sharded -> replicated by all-reduce has an all-reduce as adjoint, and
 all-gather (the fallback for unhandled ops) has a reduce-scatter as adjoint.
 """
 

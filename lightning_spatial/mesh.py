@@ -7,7 +7,12 @@ links carry the halos) and data parallelism runs across nodes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
 
 SHARD_DIMS = ("width", "height")
 
@@ -21,7 +26,7 @@ class SpatialDims:
     spatial_w: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "spatial_h", "spatial_w"):
+        for name in ("spatial_h", "spatial_w", "world_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.world_size % self.spatial_size:
@@ -35,14 +40,7 @@ class SpatialDims:
         cls, world_size: int, spatial_size: int | tuple[int, int] | None, shard_dim: str, default: int
     ) -> SpatialDims:
         """``spatial_size`` int (along ``shard_dim``), (h, w) tiles, or None for ``default`` ranks."""
-        if shard_dim not in SHARD_DIMS:
-            raise ValueError(f"shard_dim must be one of {SHARD_DIMS}, got {shard_dim!r}")
-        size = default if spatial_size is None else spatial_size
-        if isinstance(size, (tuple, list)):
-            if len(size) != 2:
-                raise ValueError(f"spatial_size as tiles must be (height, width), got {size!r}")
-            return cls(world_size, int(size[0]), int(size[1]))
-        return cls(world_size, 1, int(size)) if shard_dim == "width" else cls(world_size, int(size), 1)
+        return cls(world_size, *tiles(default if spatial_size is None else spatial_size, shard_dim))
 
     @property
     def spatial_size(self) -> int:
@@ -61,11 +59,37 @@ class SpatialDims:
         data, rest = divmod(rank, self.spatial_size)
         return (data, *divmod(rest, self.spatial_w))
 
-    def build(self, device_type: str):
-        """The DeviceMesh with axes ``("data", "spatial_h", "spatial_w")`` (collective: every rank calls it)."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def build(self, device_type: str, timeout: timedelta | None = None):
+        """The DeviceMesh with axes ``("data", "spatial_h", "spatial_w")`` (collective: every rank calls it).
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=("data", "spatial_h", "spatial_w"))
+        Every axis group waits at most ``timeout`` for its peers, like the world group: ``init_device_mesh``
+        would create them with the backend's default (30 min), so a stalled neighbour would hang a halo exchange.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(self.world_size).view(self.shape)
+        groups = []
+        for axis in range(ranks.dim()):
+            lines = ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
+            groups.append(dist.new_subgroups_by_enumeration(lines, timeout=timeout)[0])
+        return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=("data", "spatial_h", "spatial_w"))
 
 
-__all__ = ["SHARD_DIMS", "SpatialDims"]
+def tiles(spatial_size: int | Sequence[int], shard_dim: str) -> tuple[int, int]:
+    """(h, w) ranks of a spatial group from an int along ``shard_dim`` or an (h, w) pair; raises on anything else
+    (a float, a bool, a triple), before any process starts."""
+    if shard_dim not in SHARD_DIMS:
+        raise ValueError(f"shard_dim must be one of {SHARD_DIMS}, got {shard_dim!r}")
+    pair = isinstance(spatial_size, Sequence) and not isinstance(spatial_size, str)
+    sizes = list(spatial_size) if pair else [spatial_size]
+    if len(sizes) != (2 if pair else 1) or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        raise ValueError(
+            "spatial_size must be a positive int (ranks along shard_dim) or a (height, width) pair of positive ints, "
+            f"got {spatial_size!r}"
+        )
+    if pair:
+        return sizes[0], sizes[1]
+    return (1, sizes[0]) if shard_dim == "width" else (sizes[0], 1)
+
+
+__all__ = ["SHARD_DIMS", "SpatialDims", "tiles"]

@@ -26,7 +26,7 @@ import os
 import statistics
 import time
 
-import timm
+import bench_models
 import torch
 import torch.distributed as dist
 
@@ -40,7 +40,8 @@ GIB = 2**30
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="convnext_xlarge")
+    p.add_argument("--model", default="convnext_xlarge", help="a timm model, or petr / petr_tiny (surround cameras)")
+    p.add_argument("--cameras", type=int, default=6, help="cameras per sample (petr)")
     p.add_argument("--batch", type=int, default=7)
     p.add_argument("--height", type=int, default=512)
     p.add_argument("--widths", default="4096", help="comma list")
@@ -98,13 +99,12 @@ def measure(step, device, steps: int, warmup: int) -> tuple[float, float]:
     return statistics.median(times), peak
 
 
-def train_step(model, optimizer, make_input, precision: str, device: torch.device):
+def train_step(task, model, optimizer, make_input, precision: str, device: torch.device):
     def step():
         x = make_input()
         ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
         with ctx:
-            out = model(x)
-            loss = out.float().square().mean()
+            loss = task.loss(model, x)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -112,10 +112,9 @@ def train_step(model, optimizer, make_input, precision: str, device: torch.devic
     return step
 
 
-def build(args, device, ckpt: bool):
+def build(task, device, ckpt: bool):
     torch.manual_seed(0)
-    model = timm.create_model(args.model, pretrained=False, num_classes=10).to(device)
-    model.set_grad_checkpointing(ckpt)
+    model = task.build(device, ckpt)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -125,38 +124,48 @@ def free(device) -> None:
 
 
 def run_config(args, device, width: int, s: int, layout: str, precision: str, ckpt: bool, real: bool) -> dict:
+    task = bench_models.task(args)
     sh, sw = tiles(layout, s)
     rank = dist.get_rank() if real else min(1, s - 1)  # fake: an interior rank (halos on both sides)
     ih, iw = divmod(rank % s, sw)
     (h0, h1), (w0, w1) = partition(args.height, sh)[ih], partition(width, sw)[iw]
-    local = (args.batch, 3, h1 - h0, w1 - w0)
+    local = task.image_shape(h1 - h0, w1 - w0)
+    alone_shape = local if task.baseline == "shard" else task.image_shape(args.height, width)
     row = {
         "model": args.model,
         "batch": args.batch,
+        "cameras": args.cameras if task.baseline == "one device" else 0,
         "height": args.height,
         "width": width,
         "spatial": s,
+        "data": dist.get_world_size() // s if real else 1,
         "layout": layout,
         "tiles": f"{sh}x{sw}",
         "precision": precision,
         "ckpt": ckpt,
         "rank": rank,
+        "baseline": task.baseline,
         "backend": dist.get_backend() if real else "fake",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     gen = torch.Generator(device=device).manual_seed(rank)
     baseline = args.baseline == "1" and (not real or rank == 0)
 
-    def shard_only() -> tuple[float, float]:
-        model, opt = build(args, device, ckpt)
-        step = train_step(model, opt, lambda: torch.randn(local, device=device, generator=gen), precision, device)
+    def make_input(shape, layout_obj=None):
+        return lambda: task.input(
+            wrap(torch.randn(shape, device=device, generator=gen), layout_obj), args.height, width
+        )
+
+    def alone() -> tuple[float, float]:
+        model, opt = build(task, device, ckpt)
+        step = train_step(task, model, opt, make_input(alone_shape), precision, device)
         result = measure(step, device, args.steps, args.warmup)
         del model, opt, step
         free(device)
         return result
 
     if baseline:
-        row["shard_ms"], row["shard_gib"] = shard_only()
+        row["shard_ms"], row["shard_gib"] = alone()
 
     if not real:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -171,16 +180,14 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     if sw > 1:
         shards.append(DimShard(-1, Axis.from_group(mesh.get_group("spatial_w")), width))
     layout_obj = Layout(tuple(shards)) if shards else None
-    model, opt = build(args, device, ckpt)
+    model, opt = build(task, device, ckpt)
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
     )  # gradients live in the buckets: no second copy of 1.3 GB of gradients
     if not real:  # the fake backend's all-reduce yields no tensor; DDP's hook must hand one back
         ddp.register_comm_hook(None, _completed)
     row["grad_allreduce_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    step = train_step(
-        ddp, opt, lambda: wrap(torch.randn(local, device=device, generator=gen), layout_obj), precision, device
-    )
+    step = train_step(task, ddp, opt, make_input(local, layout_obj), precision, device)
     row["ours_ms"], row["ours_gib"] = measure(step, device, args.steps, args.warmup)
     HaloStats.reset()
     step()
@@ -190,7 +197,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     del ddp, model, opt, step
     free(device)
     if baseline:  # time the baseline again after ours: the ratio uses the faster of its two runs
-        row["shard_ms_after"], _ = shard_only()
+        row["shard_ms_after"], _ = alone()
         row["time_ratio"] = row["ours_ms"] / min(row["shard_ms"], row["shard_ms_after"])
         row["mem_ratio"] = row["ours_gib"] / row["shard_gib"] if device.type == "cuda" else float("nan")
     if not real:
@@ -210,13 +217,15 @@ COLUMNS = [
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'config':42}" + "".join(f" {title:>{width}}" for title, _, width, _ in COLUMNS))
+    print(f"\n{'config':60}" + "".join(f" {title:>{width}}" for title, _, width, _ in COLUMNS))
     for r in rows:
         r = {**r, "shard_ms": min(r.get("shard_ms", float("nan")), r.get("shard_ms_after", float("nan")))}
-        name = f"{r['batch']}x3x{r['height']}x{r['width']} S={r['spatial']} {r['tiles']} {r['precision']}"
-        name += " ckpt" if r["ckpt"] else ""
+        cameras = f"x{r['cameras']}" if r.get("cameras") else ""
+        name = f"{r['model']} {r['batch']}{cameras}x3x{r['height']}x{r['width']} S={r['spatial']} {r['tiles']}"
+        name += f" {r['precision']}" + (" ckpt" if r["ckpt"] else "")
+        name += f" D={r['data']}" if r.get("data", 1) > 1 else ""
         print(
-            f"{name:42}"
+            f"{name:60}"
             + "".join(f" {r.get(key, float('nan')):{width}.{digits}f}" for _, key, width, digits in COLUMNS)
         )
 
@@ -246,18 +255,26 @@ def _completed(state, bucket):
     return fut
 
 
-def main() -> None:
-    args = parse()
+def setup(args) -> tuple[torch.device, bool]:
+    """This process's device, and whether its ranks are real (under torchrun) or one rank of a fake group."""
     real = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
-    if real:
+    if real and not dist.is_initialized():
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
-    else:
-        device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if real else 0
+    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
+    if not real and args.fake_p2p == "noop":
+        # Nothing arrives through the fake backend anyway; skipping its send/recv calls keeps the library's
+        # host time out of one rank's compute (measured on the H200: within noise, docs/benchmarks.md).
+        dist.batch_isend_irecv = _no_messages
+    return device, real
+
+
+def main() -> None:
+    args = parse()
+    device, real = setup(args)
     rows = []
     grid = [
         (w, int(s), lay, prec, ck == "1")
@@ -267,12 +284,8 @@ def main() -> None:
         for prec in args.precisions.split(",")
         for ck in args.ckpt.split(",")
     ]
-    if not real and args.fake_p2p == "noop":
-        # Nothing arrives through the fake backend anyway; skipping its send/recv calls keeps the library's
-        # host time out of one rank's compute (measured on the H200: within noise, docs/benchmarks.md).
-        dist.batch_isend_irecv = _no_messages
     for width, s, layout, precision, ckpt in grid:
-        if real and s != dist.get_world_size():
+        if real and dist.get_world_size() % s:
             continue
         row = run_config(args, device, int(width), s, layout, precision, ckpt, real)
         rows.append(row)

@@ -1,16 +1,24 @@
 """Train a timm backbone with spatial parallelism, configured by Hydra (conf/train.yaml).
 
-python recipes/train.py                                   # 2 CPU ranks, width-sharded, a few minutes
-python recipes/train.py model=resnet18_seg                # dense segmentation, sharded logits and loss
+python recipes/train.py                                   # 2 CPU ranks, width-sharded, under two minutes
+python recipes/train.py model=convnext_atto               # classification: replicated logits after pooling
 python recipes/train.py strategy=single trainer.devices=1 # the single-device baseline
+python recipes/train.py experiment=convnext_xl_4096       # 8 GPUs; more configs in docs/recipes.md
 python recipes/train.py -m strategy.spatial_size=1,2 model=convnext_atto,resnet18_seg
+
+The run directory (``out``) receives checkpoints/, csv/metrics.csv, tensorboard/ and plots/metrics.png; the
+``SpatialSummary`` callback prints the mesh and shards at the start and speed, memory and paths at the end.
 """
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
 import hydra
 import lightning as L
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
 import lightning_spatial  # noqa: F401 - registers the "spatial_tp" strategy
@@ -24,8 +32,35 @@ def main(cfg: DictConfig) -> dict[str, float]:
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
     trainer.fit(model, data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    csv_logs = [Path(lg.log_dir) / "metrics.csv" for lg in trainer.loggers if isinstance(lg, CSVLogger)]
+    if trainer.is_global_zero and csv_logs and csv_logs[0].exists():
+        print(f"plots: {plot_metrics(csv_logs[0], Path(cfg.out) / 'plots' / 'metrics.png')}")
     print("final metrics:", {k: round(v, 4) for k, v in sorted(metrics.items())})
     return metrics
+
+
+def plot_metrics(metrics_csv: Path, png: Path) -> Path:
+    """Every logged loss and accuracy against the training step, from Lightning's CSV log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(metrics_csv.open()))
+    keys = sorted(k for k in (rows[0] if rows else {}) if k.endswith(("_loss", "_acc")))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for key in keys:
+        points = [(int(r["step"]), float(r[key])) for r in rows if r.get(key) not in (None, "")]
+        ax = axes[0] if key.endswith("_loss") else axes[1]
+        ax.plot(*zip(*points), marker="o" if key.startswith("val") else None, label=key)
+    for ax, title in zip(axes, ("loss", "accuracy")):
+        ax.set(title=title, xlabel="step")
+        ax.legend() if ax.has_data() else ax.set_visible(False)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
 
 
 if __name__ == "__main__":

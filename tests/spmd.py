@@ -80,3 +80,12 @@ def axes(name: str) -> dict[int, Axis]:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("h", "w"))
     return {dim: Axis.from_group(mesh.get_group(axis)) for dim, axis in dims.items()}
+
+
+def as_torchrun() -> None:
+    """Inside a rank: look to Lightning like a process started by torchrun, so a Trainer starts no processes
+    of its own and its methods (``predict``, ``validate``) return their results in every rank."""
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="spmd", RANK=rank, LOCAL_RANK=rank, GROUP_RANK="0", WORLD_SIZE=world, LOCAL_WORLD_SIZE=world
+    )

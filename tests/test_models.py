@@ -1,7 +1,9 @@
-"""Contract test over timm model families: forward and input gradient of the unchanged model on shards
-equal the single-process model, and no op falls back to gathering (every op runs spatially).
+"""Contract test over timm model families: forward, input gradient, every parameter's gradient and every
+buffer (BatchNorm running statistics) of the unchanged model on shards equal the single-process model's, and
+no op falls back to gathering (every op runs spatially).
 
-float64, so that ill-conditioned BatchNorm statistics at these tiny sizes cannot hide a real error."""
+float64 with a float64 tolerance (``oracle.RTOL_FLOAT64``), so that ill-conditioned BatchNorm statistics at
+these tiny sizes cannot hide a real error."""
 
 from __future__ import annotations
 
@@ -32,7 +34,13 @@ def _case(layout, name, train):
     model = timm.create_model(name, pretrained=False, num_classes=5).double().train(train)
     models = {False: model, True: copy.deepcopy(model)}  # BatchNorm buffers: one copy per side
     x = torch.randn(2, 3, 64, 96 if layout == "w3" else 64, dtype=torch.float64)
-    check(lambda x: models[isinstance(x, SpatialTensor)](x), [x], sharded=[0], axes=axes(layout))
+    check(
+        lambda x: models[isinstance(x, SpatialTensor)](x),
+        [x],
+        sharded=[0],
+        axes=axes(layout),
+        modules=(models[False], models[True]),
+    )
 
 
 @pytest.mark.slow

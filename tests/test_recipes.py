@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +24,12 @@ TOY = [
 ]
 
 
-def run(*overrides: str, tmp_path: Path, flags: tuple[str, ...] = ()) -> str:
+def run(*overrides: str, tmp_path: Path, flags: tuple[str, ...] = (), toy: tuple[str, ...] = tuple(TOY)) -> str:
     cmd = [
         sys.executable,
         str(ROOT / "recipes" / "train.py"),
         *flags,
-        *TOY,
+        *toy,
         f"hydra.run.dir={tmp_path}",
         f"hydra.sweep.dir={tmp_path}",
         *overrides,
@@ -34,6 +37,19 @@ def run(*overrides: str, tmp_path: Path, flags: tuple[str, ...] = ()) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
+
+
+def final_metrics(out: str) -> list[dict[str, float]]:
+    """Every ``final metrics: {...}`` line's values; each must be a finite number."""
+    runs = [dict(re.findall(r"'(\w+)': ([^,}]+)", body)) for body in re.findall(r"final metrics: \{(.*)\}", out)]
+    runs = [{k: float(v) for k, v in run.items()} for run in runs]
+    assert runs and all(run and all(math.isfinite(v) for v in run.values()) for run in runs), out[-3000:]
+    return runs
+
+
+def summary(out: str, key: str) -> list[str]:
+    """The ``key: ...`` lines that the SpatialSummary callback printed (the progress bar's \\r split off)."""
+    return re.findall(rf"^\s*{re.escape(key)}: (.*)$", out.replace("\r", "\n"), re.M)
 
 
 def torchrun_2(script: str, *args: str, cwd: Path | None = None) -> str:
@@ -48,15 +64,54 @@ def torchrun_2(script: str, *args: str, cwd: Path | None = None) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [(), ("model=convnext_atto",), ("strategy=single", "trainer.devices=1")])
-def test_train_recipe(overrides, tmp_path):
-    assert "final metrics:" in run(*overrides, tmp_path=tmp_path)
+def test_train_recipe_shows_what_it_did(tmp_path):
+    """The main job (toy size): width-sharded on 2 ranks, and it says so, with speed, memory and its outputs."""
+    out = run(tmp_path=tmp_path)
+    (metrics,) = final_metrics(out)
+    assert set(metrics) == {"train_loss", "val_loss"} and metrics["train_loss"] > 0
+    assert summary(out, "mesh") == [
+        "2 rank(s) = data 1 x spatial 2 (tiles 1x2, height x width; sharded dims: width; SpatialParallelStrategy)"
+    ]
+    assert "batch['image'] (4, 3, 32, 64) sharded: (4, 3, 32, 32) on ranks 0,1" in out
+    assert "batch['mask'] (4, 32, 64) sharded: (4, 32, 32) on ranks 0,1" in out
+    assert "batch['label'] (4,) not sharded" in out
+    (speed,) = summary(out, "throughput")
+    assert float(speed.split()[0]) > 0 and "images/s (8 training images in" in speed  # 8 samples, one epoch
+    (peaks,) = summary(out, "peak memory per rank (peak RSS of the process)")
+    peaks = [p.split() for p in peaks.split(", ")]
+    assert [p[0] for p in peaks] == ["r0", "r1"] and all(float(p[1]) > 0 for p in peaks)
+    (state,) = summary(out, "rank 0")
+    model_mib, saved_mib = (float(x) for x in re.findall(r"([\d.]+) MiB", state))
+    (one,) = summary(out, "one device, same images (estimate")
+    assert float(re.findall(r"([\d.]+) MiB", one)[-1]) > model_mib + saved_mib  # a second rank's activations
+    paths = {key: Path(summary(out, key)[0].split()[0]) for key in ("checkpoint", "logs (CSV)", "logs (TensorBoard)")}
+    assert paths["checkpoint"].suffix == ".ckpt" and paths["checkpoint"].exists()
+    assert "val_loss" in paths["logs (CSV)"].read_text().splitlines()[0]
+    assert any(p.name.startswith("events.out.tfevents") for p in paths["logs (TensorBoard)"].iterdir())
+    assert Path(summary(out, "plots")[0]).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, mesh, keys",
+    [
+        (("model=convnext_atto",), "data 1 x spatial 2", {"train_loss", "train_acc", "val_loss", "val_acc"}),
+        (("strategy=single", "trainer.devices=1"), "1 rank(s) = data 1 x spatial 1", {"train_loss", "val_loss"}),
+    ],
+)
+def test_train_recipe(overrides, mesh, keys, tmp_path):
+    out = run(*overrides, tmp_path=tmp_path)
+    (metrics,) = final_metrics(out)
+    assert set(metrics) == keys and all(0 <= metrics[k] <= 1 for k in keys if k.endswith("_acc"))
+    assert mesh in summary(out, "mesh")[0]
 
 
 @pytest.mark.slow
 def test_multirun_sweep(tmp_path):
     out = run("strategy.spatial_size=1,2", tmp_path=tmp_path, flags=("-m",))  # data parallel vs spatial
-    assert out.count("final metrics:") == 2
+    assert len(final_metrics(out)) == 2
+    meshes = summary(out, "mesh")
+    assert [m.split(" (")[0] for m in meshes] == ["2 rank(s) = data 2 x spatial 1", "2 rank(s) = data 1 x spatial 2"]
 
 
 def test_benchmark_smoke_on_cpu(tmp_path):
@@ -130,4 +185,59 @@ def test_notebook_runs(tmp_path):
 def test_train_recipe_under_torchrun(tmp_path):
     """Launched by torchrun, Lightning's TorchElasticEnvironment supplies the ranks (as on a GPU cluster)."""
     out = torchrun_2("train.py", *TOY, "strategy.start_method=popen", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
-    assert out.count("final metrics:") == 2
+    assert len(final_metrics(out)) == 2  # one line per process
+    assert [m.split(" (")[0] for m in summary(out, "mesh")] == ["2 rank(s) = data 1 x spatial 2"]  # rank 0 only
+
+
+@pytest.mark.slow
+def test_sweep_on_submitit_local_launcher(tmp_path):
+    """hydra/launcher=submitit_local runs both jobs (the submitit_slurm launcher's local twin): each writes its
+    checkpoint and logs, and its log holds finite final metrics."""
+    run("hydra/launcher=submitit_local", "model=convnext_atto", "strategy=single", "trainer.devices=1", "seed=0,1",
+        tmp_path=tmp_path, flags=("-m",))  # fmt: skip
+    logs = sorted((tmp_path / ".submitit").glob("*/*_0_log.out"))
+    assert len(logs) == 2
+    seeds = set()
+    for log in logs:
+        (metrics,) = final_metrics(log.read_text())
+        assert set(metrics) == {"train_loss", "train_acc", "val_loss", "val_acc"}
+    for job in ("0", "1"):
+        assert (tmp_path / job / "checkpoints" / "last.ckpt").exists()
+        assert "val_loss" in (tmp_path / job / "csv" / "metrics.csv").read_text()
+        seeds.add((tmp_path / job / ".hydra" / "overrides.yaml").read_text().split("seed=")[1].split()[0])
+    assert seeds == {"0", "1"}
+
+
+@pytest.mark.slow
+def test_benchmark_sweep_writes_one_csv_and_a_plot(tmp_path):
+    """recipes/bench_sweep.py as a 2-job Hydra multirun at toy size on CPU; no timing is asserted."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "bench_sweep.py"), "-m", "device=cpu", "backbone=convnext_atto"]
+    cmd += ["batch=1", "height=64", "width=256", "spatial=1,2", "steps=1", "warmup=0", f"hydra.sweep.dir={tmp_path}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
+    assert [(r["spatial"], r["tiles"]) for r in rows] == [("1", "1x1"), ("2", "1x2")]
+    assert all(float(r["ours_ms"]) > 0 and float(r["shard_ms"]) > 0 for r in rows)
+    assert float(rows[0]["halo_mib_per_step"]) == 0 < float(rows[1]["halo_mib_per_step"])
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_image_folder_demo_trains_sharded_at_each_files_resolution(tmp_path):
+    """scikit-image's photos (shrunk 8x here) as an image folder with masks: width-sharded on 2 ranks."""
+    script = [sys.executable, str(ROOT / "recipes" / "sample_images.py"), str(tmp_path / "photos"), "--scale", "0.125"]
+    subprocess.run(script, check=True, capture_output=True, timeout=300)
+    out = run(
+        "experiment=image_folder_demo",
+        f"data.root={tmp_path / 'photos' / 'images'}",
+        f"data.masks={tmp_path / 'photos' / 'masks'}",
+        tmp_path=tmp_path,
+        toy=("trainer.max_epochs=1",),
+    )
+    (metrics,) = final_metrics(out)
+    assert set(metrics) == {"train_loss", "val_loss"}
+    assert summary(out, "mesh")[0].startswith("2 rank(s) = data 1 x spatial 2")
+    (image,) = re.findall(r"batch\['image'\] \(1, 3, (\d+), (\d+)\) sharded: \(1, 3, \d+, (\d+)\) on ranks? 0", out)
+    height, width, local = (int(n) for n in image)
+    assert (height, width) in {(64, 64), (50, 75), (38, 56), (53, 80), (46, 46), (109, 125)}  # a photo's own size
+    assert local == (width + 1) // 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_spatial import LayoutError, SpatialTensor, gather
-from lightning_spatial.sharding import ShardingCollate, shard_batch
+from lightning_spatial.sharding import ShardingCollate, describe, shard_batch
 from tests.spmd import LAYOUTS, axes, run_spmd
 
 
@@ -45,6 +45,34 @@ def _nested_case(layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_nested_and_multi_camera_batches(layout):
     run_spmd(_nested_case, LAYOUTS[layout][0], layout)
+
+
+def _image_choice_case():
+    ax = axes("w2")
+    torch.manual_seed(0)
+    bev = {  # camera matrices come first and have >= 4 dims; the images are uint8
+        "intrinsics": torch.randn(2, 6, 3, 3),
+        "images": torch.randint(0, 255, (2, 6, 3, 16, 24), dtype=torch.uint8),
+        "mask": torch.rand(2, 16, 24) > 0.5,
+    }
+    out = shard_batch(bev, ax)
+    assert type(out["intrinsics"]) is torch.Tensor
+    assert isinstance(out["images"], SpatialTensor) and out["images"].dtype == torch.uint8
+    assert isinstance(out["mask"], SpatialTensor) and torch.equal(gather(out["mask"]), bev["mask"])
+    assert describe(out) == (
+        "sharded batch tensors: ['images'] (2, 6, 3, 16, 24), ['mask'] (2, 16, 24); "
+        "replicated: ['intrinsics'] (2, 6, 3, 3)"
+    )
+    # without a key named image(s): the largest H x W wins, wherever it sits in the batch
+    out = shard_batch({"depth": torch.randn(2, 1, 8, 12), "cams": torch.randn(2, 3, 16, 24)}, ax)
+    assert isinstance(out["cams"], SpatialTensor) and type(out["depth"]) is torch.Tensor
+    # a key named image(s) wins over a larger map (a BEV target grid)
+    out = shard_batch({"bev": torch.randn(2, 4, 64, 64), "image": torch.randn(2, 3, 16, 24)}, ax)
+    assert isinstance(out["image"], SpatialTensor) and type(out["bev"]) is torch.Tensor
+
+
+def test_the_image_is_named_or_the_largest_and_may_be_uint8():
+    run_spmd(_image_choice_case, 2)
 
 
 def _no_image_case():

@@ -1,5 +1,28 @@
-"""Data modules for the recipes (no strategy imports)."""
+"""Data modules for the recipes (no strategy imports): synthetic wide scenes, images from a folder, and
+surround-camera sources (synthetic, nuScenes, packed records) that all produce the shared BEV batch
+(``collate_surround``)."""
 
+from .batch import CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample, collate_surround, normalise
+from .folder import ImageFolderData
+from .nuscenes import NuScenes, NuScenesSurround
+from .records import DEFAULT_FORMAT, PackedSurround, write_records
 from .scenes import SyntheticScenes
+from .surround import SurroundScenes, SurroundSynthetic
 
-__all__ = ["SyntheticScenes"]
+__all__ = [
+    "CAMERAS",
+    "CLASSES",
+    "DEFAULT_FORMAT",
+    "ImageFolderData",
+    "NuScenes",
+    "NuScenesSurround",
+    "POINT_CLOUD_RANGE",
+    "PackedSurround",
+    "SurroundScenes",
+    "SurroundSynthetic",
+    "SyntheticScenes",
+    "check_sample",
+    "collate_surround",
+    "normalise",
+    "write_records",
+]

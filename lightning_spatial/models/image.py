@@ -7,6 +7,7 @@ load local timm weights (a ``.safetensors``/``.pth`` file for the same architect
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import lightning as L
@@ -14,6 +15,9 @@ import timm
 import torch
 import torch.nn.functional as F
 import torchmetrics
+
+TASKS = ("classification", "segmentation")
+OPTIMIZERS = ("adamw", "sgd")
 
 
 class ImageTask(L.LightningModule):
@@ -29,8 +33,10 @@ class ImageTask(L.LightningModule):
         grad_checkpointing: bool = False,
     ):
         super().__init__()
+        _check_choice("task", task, TASKS)
+        _check_choice("optimizer", optimizer, OPTIMIZERS)
         self.save_hyperparameters()
-        overlay = {"file": checkpoint_path} if checkpoint_path else None
+        overlay = _weights_overlay(backbone, checkpoint_path, task) if checkpoint_path else None
         common = {"pretrained": checkpoint_path is not None, "pretrained_cfg_overlay": overlay}
         if task == "classification":
             self.backbone = timm.create_model(backbone, num_classes=num_classes, **common)
@@ -73,3 +79,23 @@ class ImageTask(L.LightningModule):
         if h.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=h.lr, momentum=0.9, weight_decay=h.weight_decay)
         return torch.optim.AdamW(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _weights_overlay(backbone: str, path: str, task: str) -> dict:
+    """timm keeps a checkpoint's classifier only when its size equals the pretrained config's ``num_classes``
+    (else it drops it), so tell timm the file's size: a fine-tuned head of our size loads, an ImageNet head
+    of another size is dropped."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint_path {path!r} is not a file (local timm weights: .safetensors or .pth)")
+    overlay = {"file": path}
+    classifier = getattr(timm.models.get_pretrained_cfg(backbone), "classifier", None)
+    if task == "classification" and isinstance(classifier, str):
+        weight = timm.models.load_state_dict(path).get(f"{classifier}.weight")
+        if weight is not None:
+            overlay["num_classes"] = weight.shape[0]
+    return overlay

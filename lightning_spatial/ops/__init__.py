@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..tensor import HANDLERS
 from . import (
     attention,
+    autograd,
     conv,
     elementwise,
     index,
@@ -17,19 +18,23 @@ from . import (
     random,
     reduce,
     resample,
+    sample,
     select,
     shape,
 )
 
-# Later families override earlier ones (e.g. ``shape`` handles the ``mT`` property ``queries`` would answer).
+# Later families override earlier ones (e.g. ``shape`` handles the ``mT`` property ``queries`` would answer,
+# ``autograd`` the ``grad`` property).
 FAMILIES = (
     elementwise,
     queries,
+    autograd,
     conv,
     pad,
     pool,
     norm,
     resample,
+    sample,
     random,
     reduce,
     shape,

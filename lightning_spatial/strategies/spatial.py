@@ -2,23 +2,30 @@
 
 The hooks, each small:
 
-- ``setup_environment``: the (data, spatial_h, spatial_w) DeviceMesh; every rank of a spatial group gets
-  the same random stream (dropout masks must agree across a group).
+- ``setup_environment``: the (data, spatial_h, spatial_w) DeviceMesh, every group with the strategy's
+  ``timeout``; every rank of a spatial group gets the same random stream (dropout masks must agree).
 - ``process_dataloader``: the collate hook cuts image-sized tensors to this rank's rows; the sampler
   splits samples over the data axis only (``distributed_sampler_kwargs``).
 - the model needs no preparation: its inputs are ``SpatialTensor`` shards, so every conv, pool, norm,
   loss (functional calls included) dispatches to the exact spatial ops.
-- gradients: weights stay replicated; DDP over the whole world averages gradients over ``world`` ranks.
-  Under the split-gradient convention each spatial rank holds ``S x`` its share of the true gradient (the
-  replicated loss back-propagates with gradient 1 on every rank), so the world average is exactly the
-  data-parallel mean of true gradients: DDP's bucketing and overlap come for free, on CPU and GPU.
+- gradients (the split-gradient convention, docs/design.md): ``backward`` seeds the replicated loss with
+  ``1/S`` on each of the ``S`` ranks of a spatial group, so a sharded tensor's gradient (``x.grad`` of a
+  sharded input) is exactly its part of the true gradient, and a weight's gradient on one rank is its share,
+  the shares of a group summing to the true gradient. DDP sums them over the world and the comm hook divides
+  by the data-parallel size only: the data-parallel mean of true gradients, bucketed and overlapped, on CPU
+  and GPU. A user comm hook (fp16/bf16 compression, PowerSGD) averages over the world; its result is scaled
+  by ``S``.
 - ``reduce``/``all_gather`` and torchmetrics sync over the data axis (spatial ranks hold the same values).
 - ``predict_step`` returns full tensors (sharded outputs gathered), one copy per spatial rank.
 - checkpoints: parameters and buffers are plain replicated tensors; rank 0 saves a standard checkpoint.
+- for the run (``setup`` to ``teardown``): the ``fallback`` mode, BatchNorm's data axis, module paths for
+  messages, torchmetrics' sync group (``_scopes``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -27,15 +34,17 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from ..layout import Axis
-from ..mesh import SHARD_DIMS, SpatialDims
+from ..mesh import SpatialDims, tiles
 from ..ops import norm
-from ..sharding import Select, ShardingCollate
-from ..tensor import SpatialTensor, gather
+from ..sharding import Select, ShardingCollate, describe
+from ..tensor import FallbackMode, SpatialTensor, fallback_mode, gather
+from ._scopes import metrics_sync_over, named_modules, naming_the_layer
 
 
 class SpatialParallelStrategy(DDPStrategy):
@@ -46,9 +55,15 @@ class SpatialParallelStrategy(DDPStrategy):
             processes of a node.
         shard_dim: ``"width"`` or ``"height"`` (for an int ``spatial_size``).
         shard_select: ``(path, tensor) -> bool`` choosing the batch tensors to shard; default: every tensor
-            whose trailing two dims equal the image's (H, W).
-        start_method, timeout, process_group_backend: as for ``DDPStrategy``; other keyword arguments go
-            to ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``, ``gradient_as_bucket_view``).
+            whose trailing two dims equal the image's (H, W) (``sharding.image_size`` says which is the image).
+        fallback: an op without a spatial handler gathers its operands: ``"warn"`` once per op (default),
+            ``"error"`` raises instead (naming the op, the module and the bytes), ``"silent"``.
+        ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: as for ``DDPStrategy`` (e.g. fp16 compression),
+            registered on CPU and GPU; the hook averages over the world, and its result is scaled to the
+            data-parallel mean (see the module docstring).
+        start_method, timeout, process_group_backend: as for ``DDPStrategy``; ``timeout`` holds for every
+            process group (a stalled neighbour raises after it). Other keyword arguments go to
+            ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``, ``gradient_as_bucket_view``).
     """
 
     strategy_name = "spatial_tp"
@@ -58,22 +73,26 @@ class SpatialParallelStrategy(DDPStrategy):
         spatial_size: int | tuple[int, int] | None = None,
         shard_dim: Literal["width", "height"] = "width",
         shard_select: Select | None = None,
+        fallback: FallbackMode = "warn",
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
         checkpoint_io=None,
         precision_plugin=None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        if shard_dim not in SHARD_DIMS:
-            raise ValueError(f"shard_dim must be one of {SHARD_DIMS}, got {shard_dim!r}")
-        if spatial_size is not None:  # validated fully once the world size is known
-            SpatialDims.from_strategy_args(_product(spatial_size), spatial_size, shard_dim, 1)
+        h, w = tiles(1 if spatial_size is None else spatial_size, shard_dim)  # a bad shard_dim or size raises now,
+        SpatialDims(h * w, h, w)  # not in the ranks; whether it divides the world waits for the world size
+        if fallback not in ("warn", "error", "silent"):
+            raise ValueError(f"fallback must be 'warn', 'error' or 'silent', got {fallback!r}")
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no second copy of the gradients
-        super().__init__(
+        super().__init__(  # the comm hook is ours to register (DDPStrategy would do it on CUDA only, unscaled)
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -87,11 +106,14 @@ class SpatialParallelStrategy(DDPStrategy):
         self._spatial_size = spatial_size
         self._shard_dim = shard_dim
         self._shard_select = shard_select
+        self._fallback = fallback
+        self._user_comm_hook = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         self.dims: SpatialDims | None = None
         self.mesh = None
         self.axes: dict[int, Axis] = {}
         self._sync_batchnorm = False
-        self._batch_norm_sync = None
+        self._run: ExitStack | None = None
+        self._described = False
 
     @override
     def setup_environment(self) -> None:
@@ -99,7 +121,7 @@ class SpatialParallelStrategy(DDPStrategy):
         self.dims = SpatialDims.from_strategy_args(
             self.world_size, self._spatial_size, self._shard_dim, default=self.num_processes
         )
-        self.mesh = self.dims.build(self.root_device.type)
+        self.mesh = self.dims.build(self.root_device.type, self._timeout)
         names = {-2: ("spatial_h", self.dims.spatial_h), -1: ("spatial_w", self.dims.spatial_w)}
         self.axes = {dim: Axis.from_group(self.mesh.get_group(name)) for dim, (name, n) in names.items() if n > 1}
         self._data_axis = Axis.from_group(self.mesh.get_group("data"))
@@ -140,21 +162,29 @@ class SpatialParallelStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         if self._layer_sync is not None and self.axes:  # SyncBatchNorm: our batch_norm also spans the data axis
             self._layer_sync, self._sync_batchnorm = None, True
-        self._batch_norm_sync = norm.batch_norm_over(
-            self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None
+        self._run = ExitStack()
+        self._run.enter_context(fallback_mode(self._fallback))
+        self._run.enter_context(
+            norm.batch_norm_over(self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None)
         )
-        self._batch_norm_sync.__enter__()
+        self._run.enter_context(metrics_sync_over(self.data_group))
         super().setup(trainer)
-        self._sync_metrics_over_data_axis()
+        self._run.enter_context(named_modules(self.lightning_module))
 
-    def _sync_metrics_over_data_axis(self) -> None:
-        try:
-            from torchmetrics import Metric
-        except ImportError:  # pragma: no cover - torchmetrics is a dependency
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        state, hook, wrapper = self._user_comm_hook
+        if hook is None:
+            self.model.register_comm_hook(self.dims.data, _sum_then_divide)
             return
-        for module in self.lightning_module.modules():
-            if isinstance(module, Metric):
-                module.process_group = self.data_group
+        hook = wrapper(hook) if wrapper is not None else hook
+        self.model.register_comm_hook(state, _scaled(hook, self.dims.spatial_size))
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Each of the ``S`` ranks of a spatial group seeds ``1/S`` of the replicated loss's gradient."""
+        return super().backward(closure_loss / self.dims.spatial_size, optimizer, *args, **kwargs)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -163,29 +193,63 @@ class SpatialParallelStrategy(DDPStrategy):
         return dataloader
 
     @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if self.axes and not self._described:  # once per run: which tensors the collate hook sharded
+            self._described = True
+            rank_zero_info(f"lightning_spatial: {describe(batch)}")
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def _over_data(self, group: Any | None) -> Any:
+        """Spatial ranks hold the same values: the default group (``None``, or ``WORLD``, which
+        ``LightningModule.all_gather`` passes) means the data axis."""
+        return self.data_group if group is None or group is dist.group.WORLD else group
+
+    @override
     def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean"):
-        """Spatial ranks hold the same logged values: reduce over the data axis unless told otherwise."""
         if not isinstance(tensor, torch.Tensor):
             return tensor
         tensor = gather(tensor) if isinstance(tensor, SpatialTensor) else tensor
-        return _sync_ddp_if_available(tensor, group if group is not None else self.data_group, reduce_op=reduce_op)
+        return _sync_ddp_if_available(tensor, self._over_data(group), reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank votes (ModelCheckpoint, EarlyStopping), so count over the world, not the data axis."""
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes)
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
         tensor = gather(tensor) if isinstance(tensor, SpatialTensor) else tensor
-        return super().all_gather(tensor, group if group is not None else self.data_group, sync_grads)
+        return super().all_gather(tensor, self._over_data(group), sync_grads)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with naming_the_layer():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with naming_the_layer():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with naming_the_layer():
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Predictions as full tensors: sharded outputs are gathered (every spatial rank returns the same)."""
-        out = super().predict_step(*args, **kwargs)
+        with naming_the_layer():
+            out = super().predict_step(*args, **kwargs)
         return tree_map(lambda t: gather(t).detach() if isinstance(t, SpatialTensor) else t, out)
 
     @override
     def teardown(self) -> None:
-        if self._batch_norm_sync is not None:
-            self._batch_norm_sync.__exit__(None, None, None)
-            self._batch_norm_sync = None
+        if self._run is not None:
+            self._run.close()
+            self._run = None
         super().teardown()
 
     @classmethod
@@ -199,8 +263,21 @@ class SpatialParallelStrategy(DDPStrategy):
         )
 
 
-def _product(size) -> int:
-    return size[0] * size[1] if isinstance(size, (tuple, list)) and len(size) == 2 else int(size)
+def _sum_then_divide(data_size, bucket):
+    """DDP's all-reduce, divided by the data-parallel size instead of the world size: gradient shares summed
+    over each spatial group, averaged over the data replicas. (DDP checks a hook's annotations against the
+    real classes, which ``from __future__ import annotations`` turns into strings: none here.)"""
+    buffer = bucket.buffer().div_(data_size)
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _scaled(hook: Callable, spatial_size: int) -> Callable:
+    """A world-averaging comm hook made a mean over data replicas of sums over spatial groups."""
+
+    def scaled_hook(state, bucket):
+        return hook(state, bucket).then(lambda fut: fut.value().mul_(spatial_size))
+
+    return scaled_hook
 
 
 __all__ = ["SpatialParallelStrategy"]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import time
+from datetime import timedelta
+
 import lightning as L
 import pytest
 import torch
@@ -9,11 +13,12 @@ import torch.distributed as dist
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor, gather
+from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, LitModel, loader
 from tests.strategy.test_equivalence import assert_same_weights
 
 
-def trainer(devices=2, spatial=2, shard_dim="width", max_epochs=2, **kwargs):
+def trainer(devices=2, spatial=2, shard_dim="width", max_epochs=2, strategy=None, **kwargs):
     kwargs = {
         "logger": False,
         "enable_checkpointing": False,
@@ -22,7 +27,8 @@ def trainer(devices=2, spatial=2, shard_dim="width", max_epochs=2, **kwargs):
         "num_sanity_val_steps": 0,
         **kwargs,
     }
-    strategy = SpatialParallelStrategy(spatial, shard_dim, start_method="fork") if spatial else "auto"
+    if strategy is None:
+        strategy = SpatialParallelStrategy(spatial, shard_dim, start_method="fork") if spatial else "auto"
     return L.Trainer(
         accelerator="cpu", devices=devices if spatial else 1, strategy=strategy, max_epochs=max_epochs, **kwargs
     )
@@ -48,11 +54,21 @@ class CheckBatches(L.Callback):
             other = (group + self.spatial) % dist.get_world_size()
             assert not torch.equal(labels[other], label)
 
+    def setup(self, trainer, pl_module, stage):
+        self.log = []
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.log.append(record.getMessage())
+        logging.getLogger("lightning.pytorch").addHandler(self.handler)
+
     def on_train_end(self, trainer, pl_module):
         for p in pl_module.parameters():
             q = p.detach().clone()
             dist.broadcast(q, 0)
             assert torch.equal(q, p.detach()), "weights differ between ranks"
+        logging.getLogger("lightning.pytorch").removeHandler(self.handler)
+        described = [m for m in self.log if m.startswith("lightning_spatial: sharded")]
+        expected = "sharded batch tensors: ['image'] (2, 3, 16, 24), ['mask'] (2, 16, 24); replicated: ['label'] (2,)"
+        assert described == ([f"lightning_spatial: {expected}"] if trainer.global_rank == 0 else []), described
 
 
 @pytest.mark.parametrize("devices", [2, 4])
@@ -72,6 +88,26 @@ def test_validation_and_test_loops_log_what_single_device_logs():
     expected = trainer(spatial=None).test(LitModel("convnext_atto"), loader(data, 4), verbose=False)[0]
     got = trainer(4, 2).test(LitModel("convnext_atto"), loader(data, 2), verbose=False)[0]
     assert abs(got["test_loss"] - expected["test_loss"]) <= 1e-5 * max(1.0, abs(expected["test_loss"]))
+
+
+def _predict_in_rank():
+    as_torchrun()
+    data, model = Images(8, 16, 24), LitModel("segnet")
+    strategy = SpatialParallelStrategy(2)  # popen, as under torchrun: no launcher, every rank returns
+    t = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_progress_bar=False)
+    predictions = t.predict(model, loader(data, 2))
+    assert [type(p) for p in predictions] == [torch.Tensor, torch.Tensor]
+    replica = dist.get_rank() // 2  # Lightning's distributed sampler gives replica r samples r, r + 2, ...
+    with torch.no_grad():
+        expected = model.eval().model(data.images[replica::2])
+    got = torch.cat(predictions)
+    assert got.shape == expected.shape == (4, 3, 16, 24)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_predict_returns_full_predictions_of_each_data_replica():
+    """trainer.predict's return value, in every rank: 2 data replicas x 2 spatial ranks."""
+    run_spmd(_predict_in_rank, 4)
 
 
 class CheckPredictions(L.Callback):
@@ -189,6 +225,22 @@ def test_activation_checkpointing_matches_single_device():
     assert_same_weights(ours, reference)
 
 
+def _stalled_neighbour():
+    mesh = SpatialDims(2, 1, 2).build("cpu", timedelta(seconds=2))
+    if dist.get_rank() == 1:
+        time.sleep(8)  # never joins the exchange
+        return
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="[Tt]imed out"):
+        dist.all_reduce(torch.ones(1), group=mesh.get_group("spatial_w"))
+    assert time.monotonic() - start < 6
+
+
+def test_a_stalled_neighbour_raises_after_the_timeout():
+    """Every mesh group gets the strategy's timeout (init_device_mesh's subgroups waited 30 min)."""
+    run_spmd(_stalled_neighbour, 2, timeout=30)
+
+
 def test_spatial_dims_validate_without_processes():
     dims = SpatialDims.from_strategy_args(8, (2, 2), "width", default=8)
     assert (dims.data, dims.spatial_h, dims.spatial_w) == (2, 2, 2)
@@ -200,27 +252,47 @@ def test_spatial_dims_validate_without_processes():
         SpatialDims.from_strategy_args(4, 2, "depth", default=4)
 
 
-def test_unsupported_shard_dim_fails_at_construction():
-    with pytest.raises(ValueError, match="shard_dim must be one of .'width', 'height'., got 'channels'"):
-        SpatialParallelStrategy(2, "channels")
+class NoStep(L.Callback):
+    """Runs in every rank: the first backward means training started before the error; fail with that."""
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        raise AssertionError("a training step ran before the error")
 
 
 @pytest.mark.parametrize(
     "case,match",
     [
         ("indivisible", "spatial_size 1x3=3 does not divide the world size 2"),
-        ("too narrow", "has size 2, smaller than its 2 ranks|dim -1 has size 1, smaller than its 2 ranks"),
+        ("too narrow", "dim -1 has size 1, smaller than its 2 ranks"),
+        ("layer output too small", r"max_pool2d: output size 1 .* \[in module 'model.enc2.0' \(MaxPool2d\)\]"),
         ("no image", "no image-sized tensor in the batch"),
     ],
 )
 def test_bad_input_fails_before_training(case, match):
-    model = LitModel("segnet")
+    t, data = trainer(2, 2, callbacks=[NoStep()]), Images(4, 16, 24)
     if case == "indivisible":
-        t, data = trainer(2, 3), Images(4, 16, 24)
+        t = trainer(2, 3, callbacks=[NoStep()])
     elif case == "too narrow":
-        t, data = trainer(2, 2), Images(4, 16, 1)
+        data = Images(4, 16, 1)
+    elif case == "layer output too small":
+        data = Images(4, 16, 3)  # 2 + 1 columns; SegNet's first max pool leaves 1 column for 2 ranks
     else:
-        t, data = trainer(2, 2), [{"label": torch.tensor(1), "vector": torch.randn(5)}] * 4
+        data = [{"label": torch.tensor(1), "vector": torch.randn(5)}] * 4
     with pytest.raises(Exception, match=match):
-        t.fit(model, loader(data, 2))
-    assert model.model.enc1[0].weight.grad is None  # not one backward ran
+        t.fit(LitModel("segnet"), loader(data, 2))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"spatial_size": (2, 2, 1)}, r"spatial_size must be .* got \(2, 2, 1\)"),
+        ({"spatial_size": 2.5}, "spatial_size must be .* got 2.5"),
+        ({"spatial_size": True}, "spatial_size must be .* got True"),
+        ({"spatial_size": (2, 0)}, "spatial_w must be a positive int, got 0"),
+        ({"spatial_size": 2, "shard_dim": "channels"}, "shard_dim must be one of .'width', 'height'., got 'channels'"),
+        ({"fallback": "loud"}, "fallback must be 'warn', 'error' or 'silent', got 'loud'"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpatialParallelStrategy(**kwargs)

@@ -1,0 +1,5 @@
+"""Metrics for the recipes (no strategy imports)."""
+
+from .nuscenes import NuScenesDetection
+
+__all__ = ["NuScenesDetection"]

@@ -1,0 +1,191 @@
+"""The nuScenes detection metric (mAP, TP errors, NDS) as a torchmetrics ``Metric``; see docs/metrics.md."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import numpy as np
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
+
+from ._algo import ATTRIBUTE, LABEL, NUM_ERRORS, SCORE, SIZE, XY, evaluate_class
+
+DETECTION_CLASSES = (
+    "car",
+    "truck",
+    "bus",
+    "trailer",
+    "construction_vehicle",
+    "pedestrian",
+    "motorcycle",
+    "bicycle",
+    "traffic_cone",
+    "barrier",
+)
+# The devkit's detection_cvpr_2019 config: boxes this far (m, x-y distance from the ego origin) or farther are dropped.
+CLASS_RANGE = MappingProxyType(dict(zip(DETECTION_CLASSES, (50, 50, 50, 50, 50, 40, 40, 40, 30, 30))))
+ERRORS = ("ATE", "ASE", "AOE", "AVE", "AAE")
+# Errors the devkit leaves out (nan) for a class: cones have no heading, velocity or attribute; barriers
+# no velocity or attribute (and a heading only up to pi).
+UNDEFINED = {"traffic_cone": ("AOE", "AVE", "AAE"), "barrier": ("AVE", "AAE")}
+MAP_WEIGHT = 5
+
+
+class NuScenesDetection(Metric):
+    """nuScenes detection score, as the official devkit's ``DetectionEval`` computes it.
+
+    ``update(preds, target)`` takes one dict per sample. ``preds``: ``boxes`` (n, 9) float32 or float64
+    = x, y, z, w, l, h, yaw, vx, vy (ego frame; m, rad, m/s), ``scores`` (n,), ``labels`` (n,) int indexing
+    ``classes``, optional ``attributes`` (n,) int. ``target``: ``boxes`` (m, 9), ``labels`` (m,), optional
+    ``attributes`` (m,). Attributes are any consistent integer ids (-1: none); a missing key means none.
+
+    ``compute()`` returns float64 scalars: ``mAP``, ``NDS``, ``mATE``, ``mASE``, ``mAOE``, ``mAVE``, ``mAAE``,
+    ``AP/<class>`` and per-class errors ``ATE/<class>`` ... ``AAE/<class>`` (nan where the devkit leaves
+    them out: AOE, AVE, AAE of ``traffic_cone``; AVE, AAE of ``barrier``). A class without ground truth or
+    without a match has AP 0 and errors 1, and counts in the means.
+
+    Without ground-truth attributes every matched pair's attribute accuracy is undefined, and the devkit
+    then sets the class's AAE to 1: ``mAAE`` is 1 and contributes 0 to NDS, so
+    ``NDS = (5 mAP + (1 - mATE) + (1 - mASE) + (1 - mAOE) + (1 - mAVE)) / 10`` (each error capped at 1),
+    at most 0.9.
+
+    Args:
+        classes: class names, indexed by ``labels``. Errors are left out by name (``traffic_cone``,
+            ``barrier``), and a class named ``barrier`` measures yaw modulo pi.
+        class_range: per class name, the x-y distance from the ego origin from which boxes (predictions and
+            ground truth) are dropped, as the devkit does; ``None`` keeps every box.
+        kwargs: torchmetrics ``Metric`` arguments.
+
+    The devkit also drops ground truth without lidar or radar points and bicycles in bike racks: that is
+    the data's job. It refuses more than 500 predictions per sample; this metric takes any number.
+    States are concatenated over the metric's ``process_group`` in sample order (rank by rank), so ranks
+    holding disjoint samples give the single-process result.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(
+        self,
+        classes: Sequence[str] = DETECTION_CLASSES,
+        class_range: Mapping[str, float] | None = CLASS_RANGE,
+        **kwargs,
+    ) -> None:
+        kwargs.setdefault("dist_sync_fn", _gather_flat)
+        super().__init__(**kwargs)
+        self.classes = tuple(classes)
+        if len(set(self.classes)) != len(self.classes) or not self.classes:
+            raise ValueError(f"classes must be distinct names, got {self.classes}")
+        missing = [name for name in self.classes if class_range is not None and name not in class_range]
+        if missing:
+            raise ValueError(f"class_range has no range for {missing}: give one for every class, or class_range=None")
+        self.class_range = None if class_range is None else {name: float(class_range[name]) for name in self.classes}
+        # Rows of box tables (see _algo's columns) and, per sample, its (predictions, ground truths) counts:
+        # concatenated in the same order, so the counts recover which sample each box belongs to.
+        self.add_state("preds", default=[], dist_reduce_fx="cat")
+        self.add_state("targets", default=[], dist_reduce_fx="cat")
+        self.add_state("counts", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds: Sequence[Mapping[str, Tensor]], target: Sequence[Mapping[str, Tensor]]) -> None:
+        if len(preds) != len(target):
+            raise ValueError(f"preds and target must hold one dict per sample, got {len(preds)} and {len(target)}")
+        counts = []
+        for i, (pred, gt) in enumerate(zip(preds, target)):
+            self.preds.append(_table(pred, f"preds[{i}]", scored=True).to(self.device))
+            self.targets.append(_table(gt, f"target[{i}]", scored=False).to(self.device))
+            counts.append((len(self.preds[-1]), len(self.targets[-1])))
+        self.counts.append(torch.tensor(counts, dtype=torch.float64, device=self.device).reshape(-1, 2))
+
+    def compute(self) -> dict[str, Tensor]:
+        preds, pred_sample, targets, gt_sample = self._boxes()
+        result, errors = {}, []
+        for c, name in enumerate(self.classes):
+            p, g = preds[:, LABEL] == c, targets[:, LABEL] == c
+            period = np.pi if name == "barrier" else 2 * np.pi
+            aps, class_errors = evaluate_class(preds[p], pred_sample[p], targets[g], gt_sample[g], period)
+            class_errors[[ERRORS.index(e) for e in UNDEFINED.get(name, ())]] = np.nan
+            result[f"AP/{name}"] = float(np.mean(aps))
+            result.update({f"{e}/{name}": float(v) for e, v in zip(ERRORS, class_errors)})
+            errors.append(class_errors)
+        result["mAP"] = float(np.mean([result[f"AP/{name}"] for name in self.classes]))
+        means = [_nanmean(column) for column in np.array(errors).T]
+        result.update({f"m{e}": m for e, m in zip(ERRORS, means)})
+        # max(0, nan) is 0, as in the devkit: an error that no class defines scores 0.
+        scores = sum(max(0.0, 1.0 - m) for m in means)
+        result["NDS"] = (MAP_WEIGHT * result["mAP"] + scores) / (MAP_WEIGHT + NUM_ERRORS)
+        return {key: torch.tensor(value, dtype=torch.float64, device=self.device) for key, value in result.items()}
+
+    def _boxes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Predictions and ground truth in range, each with its sample ids, checked as the devkit does."""
+        counts = _rows(self.counts, 2).astype(np.int64)
+        boxes = []
+        for rows, count, name in (
+            (_rows(self.preds, SCORE + 1), counts[:, 0], "prediction"),
+            (_rows(self.targets, ATTRIBUTE + 1), counts[:, 1], "ground truth"),
+        ):
+            self._check(rows, name)
+            keep = self._in_range(rows)
+            boxes += [rows[keep], np.repeat(np.arange(len(counts)), count)[keep]]
+        return tuple(boxes)
+
+    def _check(self, rows: np.ndarray, name: str) -> None:
+        """The devkit's input assertions, as errors naming the value."""
+        labels = rows[:, LABEL]
+        bad = (labels < 0) | (labels >= len(self.classes)) | (labels != np.round(labels))
+        if bad.any():
+            raise ValueError(f"{name} label {labels[bad][0]} is not an index into {len(self.classes)} classes")
+        for what, values in (("x, y, z, w, l, h, yaw", rows[:, :7]), ("score", rows[:, SCORE:])):
+            if np.isnan(values).any():
+                raise ValueError(f"a {name} {what} is nan (only velocities may be)")
+        if (rows[:, SIZE] <= 0).any():
+            raise ValueError(f"{name} sizes must be positive, got {rows[:, SIZE][(rows[:, SIZE] <= 0).any(1)][0]}")
+
+    def _in_range(self, rows: np.ndarray) -> np.ndarray:
+        if self.class_range is None:
+            return np.ones(len(rows), dtype=bool)
+        limit = np.array([self.class_range[name] for name in self.classes])[rows[:, LABEL].astype(np.int64)]
+        xy = rows[:, XY]
+        return np.sqrt(xy[:, 0] * xy[:, 0] + xy[:, 1] * xy[:, 1]) < limit
+
+
+def _table(sample: Mapping[str, Tensor], where: str, scored: bool) -> Tensor:
+    """One sample's boxes as float64 rows: box, label, attribute (-1 if absent)[, score]."""
+    needed = ("boxes", "labels", "scores") if scored else ("boxes", "labels")
+    if any(key not in sample for key in needed):
+        raise ValueError(f"{where} needs keys {needed}, got {tuple(sample)}")
+    boxes = sample["boxes"]
+    if boxes.ndim != 2 or boxes.shape[1] != 9 or not boxes.is_floating_point():
+        raise ValueError(
+            f"{where}['boxes'] must be float (n, 9): x, y, z, w, l, h, yaw, vx, vy; "
+            f"got {boxes.dtype} {tuple(boxes.shape)}"
+        )
+    columns = {"labels": sample["labels"], "attributes": sample.get("attributes", torch.full((len(boxes),), -1))}
+    if scored:
+        columns["scores"] = sample["scores"]
+    for key, value in columns.items():
+        if value.shape != (len(boxes),):
+            raise ValueError(f"{where}[{key!r}] must have shape ({len(boxes)},) as its boxes, got {tuple(value.shape)}")
+    columns = [value.to(device=boxes.device, dtype=torch.float64)[:, None] for value in columns.values()]
+    return torch.cat([boxes.to(torch.float64), *columns], dim=1)
+
+
+def _rows(state: list[Tensor] | Tensor, width: int) -> np.ndarray:
+    """A state as a host (rows, width) array: a list of tables before a sync, one flat tensor after."""
+    parts = [state] if isinstance(state, Tensor) else state
+    flat = [part.reshape(-1) for part in parts]
+    return (torch.cat(flat) if flat else torch.zeros(0)).reshape(-1, width).to("cpu", torch.float64).numpy()
+
+
+def _gather_flat(state: Tensor, group=None) -> list[Tensor]:
+    """torchmetrics' gather, of the state flattened to float64: a rank without updates sends torchmetrics'
+    1-D empty placeholder in the metric's dtype, which must meet the other ranks' float64 tables."""
+    return gather_all_tensors(state.to(torch.float64).reshape(-1), group)
+
+
+def _nanmean(values: np.ndarray) -> float:
+    """The devkit's mean over classes, ignoring nan (nan if no class defines the error)."""
+    return float(np.nanmean(values)) if not np.isnan(values).all() else float("nan")

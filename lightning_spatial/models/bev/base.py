@@ -1,0 +1,70 @@
+"""What the three BEV detectors share as LightningModules: steps, logging, the optional metric, the optimizer.
+
+A subclass calls ``save_hyperparameters(ignore=["metric"])`` (with ``lr`` and ``weight_decay`` among its
+arguments), builds ``self.head`` (``loss(outputs, boxes, labels) -> dict`` whose "loss" entry is the total,
+``decode(outputs) -> list of {"boxes", "scores", "labels"}``) and defines ``forward(batch) -> outputs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import lightning as L
+import torch
+import torchmetrics
+
+NUSCENES_RANGE = (-51.2, -51.2, -5.0, 51.2, 51.2, 3.0)
+
+
+class BEVDetector(L.LightningModule):
+    TINY: ClassVar[dict[str, Any]] = {}  # a configuration for CPU tests, trained in seconds
+
+    def __init__(self, metric: torchmetrics.Metric | None):
+        super().__init__()
+        # e.g. lightning_spatial.metrics.NuScenesDetection: update(preds, targets) with one dict per sample.
+        self.val_metric = metric
+
+    @classmethod
+    def tiny(cls, **overrides):
+        return cls(**{**cls.TINY, **overrides})
+
+    def loss(self, outputs, batch) -> dict[str, torch.Tensor]:
+        return self.head.loss(outputs, batch["boxes"], batch["labels"])
+
+    def decode(self, outputs) -> list[dict[str, torch.Tensor]]:
+        return self.head.decode(outputs)
+
+    def _step(self, batch, stage: str):
+        outputs = self(batch)
+        losses = self.loss(outputs, batch)
+        size = batch["images"].shape[0]
+        self.log_dict({f"{stage}_{k}": v for k, v in losses.items()}, batch_size=size, sync_dist=True)
+        return outputs, losses["loss"]
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, "train")[1]
+
+    def validation_step(self, batch, batch_idx):
+        outputs, _ = self._step(batch, "val")
+        if self.val_metric is not None:
+            targets = [{"boxes": b, "labels": lab} for b, lab in zip(batch["boxes"], batch["labels"])]
+            self.val_metric.update(self.decode(outputs), targets)
+
+    def on_validation_epoch_end(self):
+        if self.val_metric is None:
+            return
+        result = self.val_metric.compute()
+        self.log_dict({f"val_{k}": v for k, v in result.items() if torch.as_tensor(v).numel() == 1})
+        self.val_metric.reset()
+
+    def predict_step(self, batch, batch_idx):
+        return self.decode(self(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+def as_range(point_cloud_range: Sequence[float]) -> tuple[float, ...]:
+    """Hydra passes lists; the grid wants a hashable tuple."""
+    return tuple(float(v) for v in point_cloud_range)

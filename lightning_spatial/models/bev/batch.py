@@ -1,0 +1,57 @@
+"""Validation of a surround-camera batch (the shared BEV batch contract), before any network runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], what: str):
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{name} must be {what} = {expected} to match images, got {tuple(tensor.shape)}")
+
+
+def _check_principal_points(name: str, lidar2img: torch.Tensor, height: int, width: int):
+    """The principal point of K in lidar2img[:3, :3] = K R is (KK^T)[:2, 2] / (KK^T)[2, 2] for any rotation R;
+    outside the image it means calibration for another image size (e.g. not rescaled with the images)."""
+    m = lidar2img[..., :3, :3].double()
+    kkt = m @ m.mT
+    centre = kkt[..., :2, 2] / kkt[..., 2:, 2]
+    limit = torch.tensor([width, height], dtype=centre.dtype, device=centre.device) - 0.5
+    outside = ((centre < -0.5) | (centre > limit)).any(-1)
+    if outside.any():
+        b, n = (int(i) for i in outside.nonzero()[0])
+        cx, cy = centre[b, n].tolist()
+        raise ValueError(
+            f"{name}[{b}, {n}] has its principal point at (u, v) = ({cx:.1f}, {cy:.1f}), outside the {width}x{height}"
+            " images: the calibration is for another image size (rescale lidar2img when resizing images)"
+        )
+
+
+def check_batch(batch: dict[str, Any], temporal: bool = False) -> None:
+    """Raise ValueError naming the field and sizes when cameras, image sizes, calibration or boxes disagree."""
+    images = batch["images"]
+    if images.dim() != 5 or images.shape[2] != 3:
+        raise ValueError(f"images must be (B, N, 3, H, W), got {tuple(images.shape)}")
+    b, n, _, h, w = images.shape
+    fields = ["lidar2img", "prev_lidar2img"] if temporal else ["lidar2img"]
+    if temporal:
+        for name in ("prev_images", "prev_lidar2img"):
+            if name not in batch:
+                raise ValueError(f"temporal=True needs batch[{name!r}] (the previous frame); it is missing")
+        _check_shape("prev_images", batch["prev_images"], tuple(images.shape), "(B, N, 3, H, W)")
+    for name in fields:
+        _check_shape(name, batch[name], (b, n, 4, 4), "(B, N, 4, 4)")
+        _check_principal_points(name, batch[name], h, w)
+    if "intrinsics" in batch:
+        _check_shape("intrinsics", batch["intrinsics"], (b, n, 3, 3), "(B, N, 3, 3)")
+    if "boxes" in batch:
+        boxes, labels = batch["boxes"], batch["labels"]
+        if len(boxes) != b or len(labels) != b:
+            raise ValueError(f"boxes and labels must be lists of B={b} tensors, got {len(boxes)} and {len(labels)}")
+        for i, (box, label) in enumerate(zip(boxes, labels)):
+            if box.dim() != 2 or box.shape[1] != 9 or tuple(label.shape) != (box.shape[0],):
+                raise ValueError(
+                    f"boxes[{i}] must be (m, 9) and labels[{i}] (m,), got {tuple(box.shape)} and {tuple(label.shape)}"
+                )

@@ -1,0 +1,152 @@
+"""PETR and PETRv2: camera tokens carry a 3-D position embedding from each camera's ``lidar2img`` and a
+transformer decoder cross-attends from learnable 3-D reference-point queries to all of them.
+
+PETRv2 options: ``temporal=True`` adds the previous frame's tokens (their embedding from the ego-motion
+aligned ``prev_lidar2img``); ``feature_guided_pe=True`` gates the embedding per pixel with a sigmoid of an MLP
+of the image features. Tiny: ``PETR.tiny()``; the defaults are paper-sized (ConvNeXt-B, 256 dims, 6 layers,
+900 queries, 64 depth bins).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torchmetrics
+from torch import nn
+
+from .backbone import ImageEncoder
+from .base import NUSCENES_RANGE, BEVDetector, as_range
+from .batch import check_batch
+from .geometry import frustum_to_ego, inverse_sigmoid
+from .query_head import QueryHead
+
+
+def lid_depths(bins: int, near: float, far: float) -> torch.Tensor:
+    """PETR's linear-increasing depth bins: spacing grows linearly with depth."""
+    index = torch.arange(bins, dtype=torch.float32)
+    return near + (far - near) / (bins * (1 + bins)) * index * (index + 1)
+
+
+def sine_embedding(points: torch.Tensor, feats: int, temperature: float = 10000.0) -> torch.Tensor:
+    """(..., 3) points in [0, 1] -> (..., 3 * feats) interleaved sin/cos features per coordinate."""
+    dim_t = temperature ** (2 * (torch.arange(feats, device=points.device) // 2) / feats)
+    angles = points[..., None] * (2 * math.pi) / dim_t
+    return torch.stack([angles[..., 0::2].sin(), angles[..., 1::2].cos()], -1).flatten(-3)
+
+
+def _mlp(cin: int, hidden: int, cout: int) -> nn.Sequential:
+    """Per-pixel MLP as 1x1 convs."""
+    return nn.Sequential(nn.Conv2d(cin, hidden, 1), nn.ReLU(), nn.Conv2d(hidden, cout, 1))
+
+
+class PositionEmbedding3D(nn.Module):
+    """Frustum points of every feature cell at D depths -> ego frame -> normalised to the point-cloud range ->
+    inverse sigmoid -> 1x1-conv MLP; optionally gated by the features (PETRv2's FPE)."""
+
+    def __init__(self, dims: int, depths: torch.Tensor, point_cloud_range: Sequence[float], feature_guided: bool):
+        super().__init__()
+        self.register_buffer("depths", depths, persistent=False)
+        r = torch.tensor(point_cloud_range, dtype=torch.float32)
+        self.register_buffer("low", r[:3], persistent=False)
+        self.register_buffer("extent", r[3:] - r[:3], persistent=False)
+        self.encoder = _mlp(3 * len(depths), 4 * dims, dims)
+        self.gate = _mlp(dims, dims, dims) if feature_guided else None
+
+    def forward(self, features: torch.Tensor, lidar2img: torch.Tensor, image_hw: Sequence[int]) -> torch.Tensor:
+        """features (B*N, C, h, w) -> embedding of the same shape."""
+        points = frustum_to_ego(lidar2img, self.depths, features.shape[-2:], image_hw)
+        coords = inverse_sigmoid((points - self.low) / self.extent)
+        b, n, d, h, w, _ = coords.shape
+        embedding = self.encoder(coords.permute(0, 1, 2, 5, 3, 4).reshape(b * n, d * 3, h, w).to(features.dtype))
+        return embedding if self.gate is None else embedding * self.gate(features).sigmoid()
+
+
+class DecoderLayer(nn.Module):
+    """Post-norm DETR decoder layer: self-attention over queries, cross-attention to camera tokens, FFN."""
+
+    def __init__(self, dims: int, heads: int, ffn_dims: int, dropout: float):
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(dims, heads, dropout=dropout, batch_first=True)
+        self.cross_attn = nn.MultiheadAttention(dims, heads, dropout=dropout, batch_first=True)
+        self.ffn = nn.Sequential(nn.Linear(dims, ffn_dims), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dims, dims))
+        self.norms = nn.ModuleList(nn.LayerNorm(dims) for _ in range(3))
+
+    def forward(self, x, query_pos, keys, values):
+        q = x + query_pos
+        x = self.norms[0](x + self.self_attn(q, q, x, need_weights=False)[0])
+        x = self.norms[1](x + self.cross_attn(x + query_pos, keys, values, need_weights=False)[0])
+        return self.norms[2](x + self.ffn(x))
+
+
+def camera_tokens(features: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B*N, C, h, w) -> (B, N*h*w, C)."""
+    return features.flatten(-2).permute(0, 2, 1).reshape(batch, -1, features.shape[1])
+
+
+class PETR(BEVDetector):
+    TINY = dict(
+        backbone="convnext_atto",
+        embed_dims=32,
+        num_layers=2,
+        num_heads=4,
+        ffn_dims=64,
+        num_queries=20,
+        depth_bins=8,
+        lr=1e-3,
+    )
+
+    def __init__(
+        self,
+        backbone: str = "convnext_base",
+        embed_dims: int = 256,
+        num_layers: int = 6,
+        num_heads: int = 8,
+        ffn_dims: int = 2048,
+        num_queries: int = 900,
+        depth_bins: int = 64,
+        depth_range: tuple[float, float] = (1.0, 61.2),
+        stride: int = 16,
+        num_classes: int = 10,
+        point_cloud_range: Sequence[float] = NUSCENES_RANGE,
+        temporal: bool = False,
+        feature_guided_pe: bool = False,
+        dropout: float = 0.0,
+        max_detections: int = 300,
+        lr: float = 2e-4,
+        weight_decay: float = 0.01,
+        checkpoint_path: str | None = None,
+        metric: torchmetrics.Metric | None = None,
+    ):
+        super().__init__(metric)
+        self.save_hyperparameters(ignore=["metric"])
+        point_cloud_range = as_range(point_cloud_range)
+        self.encoder = ImageEncoder(backbone, embed_dims, stride, checkpoint_path)
+        depths = lid_depths(depth_bins, *depth_range)
+        self.position = PositionEmbedding3D(embed_dims, depths, point_cloud_range, feature_guided_pe)
+        # Reference points live in [0, 1]^3 of the range; stored as logits so they never leave it.
+        self.reference_logits = nn.Parameter(inverse_sigmoid(torch.rand(num_queries, 3)))
+        self.query_embedding = nn.Sequential(
+            nn.Linear(3 * (embed_dims // 2), embed_dims), nn.ReLU(), nn.Linear(embed_dims, embed_dims)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(embed_dims, num_heads, ffn_dims, dropout) for _ in range(num_layers))
+        self.head = QueryHead(embed_dims, num_classes, point_cloud_range, max_detections)
+
+    def forward(self, batch) -> dict[str, torch.Tensor]:
+        check_batch(batch, self.hparams.temporal)
+        images, lidar2img = batch["images"], batch["lidar2img"]
+        if self.hparams.temporal:
+            images = torch.cat([images, batch["prev_images"]], 1)
+            lidar2img = torch.cat([lidar2img, batch["prev_lidar2img"]], 1)
+        b = images.shape[0]
+        features = self.encoder(images.flatten(0, 1))
+        keys = camera_tokens(features + self.position(features, lidar2img, images.shape[-2:]), b)
+        values = camera_tokens(features, b)
+        reference = self.reference_logits.sigmoid()
+        query_pos = self.query_embedding(sine_embedding(reference, self.hparams.embed_dims // 2)).expand(b, -1, -1)
+        x, hidden = torch.zeros_like(query_pos), []
+        for layer in self.layers:
+            x = layer(x, query_pos, keys, values)
+            hidden.append(x)
+        return self.head(torch.stack(hidden), reference)

@@ -1,0 +1,100 @@
+"""PETR's detection head over decoder-layer outputs: classification and box branches shared by all layers,
+a Hungarian-matched set loss for every layer (auxiliary losses), and top-k decoding without NMS.
+
+Box centres are predicted as offsets to each query's 3-D reference point in inverse-sigmoid space, then mapped
+to metres over the point-cloud range, so the L1 loss and matching compare 10-d box codes in metres.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from scipy.optimize import linear_sum_assignment
+from torch import nn
+
+from . import boxes as box_code
+from .geometry import inverse_sigmoid
+from .losses import sigmoid_focal_loss
+
+
+def _mlp(dims: int, out: int, norm: bool) -> nn.Sequential:
+    layers = []
+    for _ in range(2):
+        layers += [nn.Linear(dims, dims), *([nn.LayerNorm(dims)] if norm else []), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(dims, out))
+
+
+class QueryHead(nn.Module):
+    def __init__(
+        self,
+        dims: int,
+        num_classes: int,
+        point_cloud_range: Sequence[float],
+        max_detections: int = 300,
+        cls_weight: float = 2.0,
+        box_weight: float = 0.25,
+    ):
+        super().__init__()
+        self.norm = nn.LayerNorm(dims)
+        self.classify = _mlp(dims, num_classes, norm=True)
+        self.regress = _mlp(dims, box_code.CODE_SIZE, norm=False)
+        nn.init.constant_(self.classify[-1].bias, -4.595)  # prior probability 0.01, as in RetinaNet
+        r = torch.tensor(point_cloud_range, dtype=torch.float32)
+        self.register_buffer("low", r[:3], persistent=False)
+        self.register_buffer("extent", r[3:] - r[:3], persistent=False)
+        self.max_detections, self.cls_weight, self.box_weight = max_detections, cls_weight, box_weight
+
+    def forward(self, hidden: torch.Tensor, reference: torch.Tensor) -> dict[str, torch.Tensor]:
+        """hidden (L, B, Q, C) from every decoder layer, reference (Q, 3) in [0, 1] -> logits (L, B, Q, K)
+        and box codes (L, B, Q, 10)."""
+        hidden = self.norm(hidden)
+        delta = self.regress(hidden)
+        centre = (delta[..., :3] + inverse_sigmoid(reference)).sigmoid() * self.extent + self.low
+        return {"logits": self.classify(hidden), "codes": torch.cat([centre, delta[..., 3:]], -1)}
+
+    @torch.no_grad()
+    def _cost(self, logits, codes, targets, labels, alpha: float = 0.25, gamma: float = 2.0):
+        """(Q, m) focal classification cost + L1 cost on the codes without velocity (as PETR)."""
+        p = logits.sigmoid()
+        positive = -(p + 1e-8).log() * alpha * (1 - p) ** gamma
+        negative = -(1 - p + 1e-8).log() * (1 - alpha) * p**gamma
+        l1 = torch.cdist(codes[:, :8], targets[:, :8], p=1)
+        return self.cls_weight * (positive - negative)[:, labels] + self.box_weight * l1
+
+    def match(self, logits, codes, targets, labels):
+        """Per-sample Hungarian matching on the detached cost -> batch index, query index, target code and
+        target label of every matched pair."""
+        found = []
+        for i, (target, label) in enumerate(zip(targets, labels)):
+            cost = self._cost(logits[i].float(), codes[i].float(), target, label).cpu().numpy()
+            query, gt = (torch.as_tensor(a, device=logits.device) for a in linear_sum_assignment(cost))
+            found.append((torch.full_like(query, i), query, target[gt], label[gt]))
+        return [torch.cat(column) for column in zip(*found)]
+
+    def loss(self, outputs, boxes: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Summed over decoder layers; each layer's terms are normalised by the batch's box count (>= 1). An
+        empty scene trains the no-object class only: its box term is a graph-connected zero."""
+        targets = [box_code.encode(b.float()) for b in boxes]
+        num_boxes = max(sum(len(lab) for lab in labels), 1)
+        weights = outputs["codes"].new_tensor(box_code.CODE_WEIGHTS)
+        terms = []
+        for logits, codes in zip(outputs["logits"], outputs["codes"]):
+            batch, query, matched_codes, matched_labels = self.match(logits, codes, targets, labels)
+            classes = torch.zeros_like(logits)
+            classes[batch, query, matched_labels] = 1
+            cls = self.cls_weight * sigmoid_focal_loss(logits, classes) / num_boxes
+            box = self.box_weight * ((codes[batch, query] - matched_codes).abs() * weights).sum() / num_boxes
+            terms.append((cls, box))
+        cls, box = terms[-1]
+        return {"loss": sum(c + b for c, b in terms), "loss_cls": cls, "loss_box": box}
+
+    @torch.no_grad()
+    def decode(self, outputs) -> list[dict[str, torch.Tensor]]:
+        """Top-k (query, class) pairs of the last layer by sigmoid score."""
+        scores = outputs["logits"][-1].sigmoid()
+        b, q, k = scores.shape
+        top, index = scores.flatten(1).topk(min(self.max_detections, q * k))
+        query = (index // k)[..., None].expand(-1, -1, box_code.CODE_SIZE)
+        boxes = box_code.decode(outputs["codes"][-1].gather(1, query))
+        return [{"boxes": boxes[i], "scores": top[i], "labels": index[i] % k} for i in range(b)]

@@ -1,0 +1,57 @@
+"""Gradients with respect to sharded tensors (saliency maps, adversarial inputs) are sharded like them.
+
+Under the split-gradient convention (docs/design.md) a replicated value's gradient is held as shares across
+the spatial group that sum to it. ``torch.autograd.grad`` therefore seeds a replicated output (a loss) with
+``1/S`` of its gradient on each of the ``S`` ranks, as the strategy's ``backward`` does, so the gradient of a
+sharded input is exactly its part of the true gradient, returned sharded like the input; ``x.grad`` of a
+sharded leaf is returned sharded like ``x`` too. A replicated input's (a weight's) gradient is this rank's
+share: sum it over the spatial group for the true gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..tensor import SpatialTensor, localize, unwrap, wrap
+
+_GRAD = torch.Tensor.grad.__get__
+
+
+def grad_of(x: SpatialTensor):
+    """``x.grad``, sharded like ``x``."""
+    with torch._C.DisableTorchFunctionSubclass():
+        g = _GRAD(x)
+    return wrap(g, x.shard_layout) if g is not None and type(g) is torch.Tensor else g
+
+
+def autograd_grad(outputs, inputs, grad_outputs=None, **kwargs):
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    single = isinstance(inputs, torch.Tensor)
+    inputs = (inputs,) if single else tuple(inputs)
+    if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = (grad_outputs,) * len(outputs) if grad_outputs is None else (grad_outputs,)
+    axes = {s.axis for t in (*outputs, *inputs) if isinstance(t, SpatialTensor) for s in t.shard_layout.shards}
+    spatial = math.prod(a.size for a in axes)
+    seeds = [_seed(o, g, spatial) for o, g in zip(outputs, grad_outputs)]
+    with torch._C.DisableTorchFunctionSubclass():
+        grads = torch.autograd.grad(outputs, inputs, seeds, **kwargs)
+    return tuple(
+        wrap(unwrap(g)[0], x.shard_layout) if isinstance(x, SpatialTensor) and g is not None else g
+        for x, g in zip(inputs, grads)
+    )
+
+
+def _seed(output: torch.Tensor, grad, spatial: int):
+    """A sharded output's gradient is its local part; a replicated output's is split over the group."""
+    if isinstance(output, SpatialTensor):
+        return None if grad is None else unwrap(localize(torch.autograd.grad, grad, output.shard_layout))[0]
+    if grad is None:  # torch makes the implicit gradient of a scalar only (and raises for others itself)
+        return torch.ones_like(output) / spatial if output.numel() == 1 else None
+    return unwrap(grad)[0] / spatial
+
+
+HANDLERS = {_GRAD: grad_of, torch.autograd.grad: autograd_grad}
+
+__all__ = ["HANDLERS", "autograd_grad", "grad_of"]

@@ -1,0 +1,77 @@
+"""What recipes/benchmark.py trains: a timm classifier on (B, 3, H, W) images, or a PETR detector on
+(B, N, 3, H, W) surround cameras (``--model petr`` paper-sized with ConvNeXt-B, ``petr_tiny``; ``--cameras``).
+
+A task builds the model, turns this rank's image block into the model's input (sharded images plus the
+replicated calibration and boxes a detector needs) and computes a loss. For a classifier the natural baseline
+is its shard alone (``shard``); a detector's decoder attends to every camera token, so its baseline is the
+whole input on one device (``one device``).
+"""
+
+from __future__ import annotations
+
+import timm
+import torch
+
+
+class ImageTask:
+    baseline = "shard"
+
+    def __init__(self, args):
+        self.name, self.batch = args.model, args.batch
+
+    def image_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (self.batch, 3, height, width)
+
+    def build(self, device: torch.device, ckpt: bool) -> torch.nn.Module:
+        model = timm.create_model(self.name, pretrained=False, num_classes=10).to(device)
+        model.set_grad_checkpointing(ckpt)
+        return model
+
+    def input(self, images: torch.Tensor, height: int, width: int):
+        return images
+
+    def loss(self, model, x) -> torch.Tensor:
+        return model(x).float().square().mean()
+
+
+class PETRTask:
+    baseline = "one device"
+
+    def __init__(self, args):
+        from lightning_spatial.models.bev import PETR
+
+        self.make = PETR.tiny if args.model == "petr_tiny" else PETR
+        self.batch, self.cameras = args.batch, args.cameras
+
+    def image_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (self.batch, self.cameras, 3, height, width)
+
+    def build(self, device: torch.device, ckpt: bool) -> torch.nn.Module:
+        model = self.make().to(device)
+        model.encoder.backbone.set_grad_checkpointing(ckpt)
+        return model
+
+    def input(self, images: torch.Tensor, height: int, width: int) -> dict:
+        from lightning_spatial.data.geometry import projection
+        from lightning_spatial.data.surround import CAMERAS, camera_rig
+
+        intrinsics, cam2ego = camera_rig(CAMERAS[: self.cameras], (height, width))
+        g = torch.Generator().manual_seed(0)
+        centres = torch.rand(self.batch, 10, 2, generator=g) * 80 - 40
+        boxes = [torch.cat([c, torch.tensor([[0.9, 1.9, 4.6, 1.7, 0.3, 2.0, 0.0]]).expand(10, -1)], 1) for c in centres]
+        return {
+            "images": images,
+            "lidar2img": projection(intrinsics, cam2ego).expand(self.batch, -1, -1, -1).to(images.device),
+            "boxes": [b.to(images.device) for b in boxes],
+            "labels": [torch.zeros(10, dtype=torch.long, device=images.device) for _ in boxes],
+        }
+
+    def loss(self, model, x) -> torch.Tensor:
+        return getattr(model, "module", model).loss(model(x), x)["loss"]
+
+
+def task(args):
+    return PETRTask(args) if args.model.startswith("petr") else ImageTask(args)
+
+
+__all__ = ["ImageTask", "PETRTask", "task"]

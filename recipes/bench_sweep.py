@@ -1,0 +1,50 @@
+"""The benchmark as a Hydra multirun: each job measures one configuration (recipes/benchmark.py's
+``run_config``) and appends its row to one CSV; when the sweep ends, recipes/plot_bench.py plots it.
+
+python recipes/bench_sweep.py -m spatial=1,2,4,8                          # one GPU, fake process group
+python recipes/bench_sweep.py -m device=cpu backbone=convnext_atto batch=1 height=64 width=256 spatial=1,2 \\
+    steps=1 warmup=0                                                       # CPU smoke run
+Under torchrun every job measures its rank of a real group (spatial must equal the world size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import fcntl
+import json
+from pathlib import Path
+
+import hydra
+import torch.distributed as dist
+from benchmark import run_config, setup
+from omegaconf import DictConfig, OmegaConf
+
+
+@hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> dict:
+    options = OmegaConf.to_container(cfg, resolve=True)
+    args = argparse.Namespace(model=options.pop("backbone"), **options)
+    device, real = setup(args)
+    row = run_config(args, device, args.width, args.spatial, args.layout, args.precision, args.ckpt, real)
+    if not real or dist.get_rank() == 0:
+        print(json.dumps(row), flush=True)
+        append_row(Path(args.csv), row)
+    return row
+
+
+def append_row(path: Path, row: dict) -> None:
+    """Append under a file lock (parallel launchers); the first row writes the header."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+", newline="") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        header = next(csv.reader(f), None)
+        writer = csv.DictWriter(f, header or list(row), extrasaction="ignore")
+        if header is None:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""The three BEV detectors on one CPU: geometry against a rig built in the test, head targets decoded back to
+their boxes, a training step, overfitting one tiny batch, empty scenes, bad input, the Lightning loop."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import torchmetrics
+import torchvision
+
+from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
+from lightning_spatial.models.bev import boxes as box_code
+from lightning_spatial.models.bev.backbone import ImageEncoder
+from lightning_spatial.models.bev.center_head import CenterHead
+from lightning_spatial.models.bev.geometry import BEVGrid, frustum_to_ego, pixel_centres, project
+from lightning_spatial.models.bev.losses import gaussian_focal_loss, sigmoid_focal_loss
+from lightning_spatial.models.bev.query_head import QueryHead
+from tests.models.surround import RANGE, random_boxes, rig, surround_batch
+
+MODELS = {
+    "petr": lambda: PETR.tiny(),
+    "petrv2": lambda: PETR.tiny(temporal=True, feature_guided_pe=True),
+    "lift_splat": lambda: LiftSplat.tiny(),
+    "simple_bev": lambda: SimpleBEV.tiny(),
+}
+
+
+def _model_and_batch(name, **batch_kwargs):
+    torch.manual_seed(0)
+    return MODELS[name](), surround_batch(temporal=name == "petrv2", **batch_kwargs)
+
+
+def _terms(losses):
+    return [v for k, v in losses.items() if k != "loss"]  # (classification/heatmap, box/regression)
+
+
+# --- geometry -------------------------------------------------------------------------------------------
+
+
+def test_feature_cell_centres_in_image_pixels():
+    # Two cells over 32 pixels cover pixels 0..15 and 16..31, centred at 7.5 and 23.5.
+    assert pixel_centres(2, 32).tolist() == [7.5, 23.5]
+    torch.testing.assert_close(pixel_centres(3, 88), torch.tensor([88 / 6 - 0.5, 43.5, 88 * 5 / 6 - 0.5]))
+
+
+def test_frustum_points_lie_on_the_optical_axis():
+    # 16 x 48 images, 1 x 3 features: cell (0, 1) is centred on the principal point (23.5, 7.5).
+    _, cam2ego, lidar2img = rig(6, 16, 48)
+    points = frustum_to_ego(lidar2img[None], torch.tensor([5.0, 10.0]), (1, 3), (16, 48))
+    assert points.shape == (1, 6, 2, 1, 3, 3)
+    for cam in range(6):
+        centre, forward = cam2ego[cam, :3, 3], cam2ego[cam, :3, 2]
+        for i, depth in enumerate([5.0, 10.0]):
+            torch.testing.assert_close(points[0, cam, i, 0, 1], centre + depth * forward)
+
+
+def test_projection_samples_the_cell_whose_frustum_made_the_point():
+    """PETR (frustum -> ego) and Simple-BEV (ego -> grid_sample) agree on where each feature cell is."""
+    _, _, lidar2img = rig(6, 32, 88)
+    h, w = 2, 6
+    points = frustum_to_ego(lidar2img[None], torch.tensor([7.0]), (h, w), (32, 88))  # (1, 6, 1, h, w, 3)
+    features = torch.randn(6, 4, h, w)
+    for cam in range(6):
+        grid, valid = project(points[0, cam].reshape(-1, 3), lidar2img[None, cam : cam + 1], (32, 88))
+        assert valid.eq(1).all()
+        expected = torch.stack(
+            torch.meshgrid((torch.arange(h) * 2 + 1) / h - 1, (torch.arange(w) * 2 + 1) / w - 1, indexing="ij")[::-1],
+            -1,
+        ).reshape(-1, 2)
+        torch.testing.assert_close(grid[0, 0], expected, atol=1e-4, rtol=0)
+        at = grid[0, 0][None, :, None]  # (1, h*w, 1, 2)
+        sampled = torch.nn.functional.grid_sample(features[cam : cam + 1], at, align_corners=False)
+        torch.testing.assert_close(sampled[0, :, :, 0], features[cam].reshape(4, -1), atol=1e-4, rtol=0)
+
+
+def test_projection_rejects_points_behind_or_beside_the_camera():
+    _, _, lidar2img = rig(6, 32, 88)
+    points = torch.tensor([[10.0, 0.0, 1.5], [-10.0, 0.0, 1.5], [1.5, 30.0, 1.5]])  # ahead, behind, far left
+    _, valid = project(points, lidar2img[None, :1], (32, 88))
+    assert valid[0, 0].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_bev_grid_indexes_cells_x_major():
+    grid = BEVGrid(RANGE, (32, 32))  # 3.2 m cells
+    points = torch.tensor([[-51.2 + 3.2 * 2.5, -51.2 + 3.2 * 7.5, 0.0], [0.0, 0.0, 4.0], [60.0, 0.0, 0.0]])
+    index, valid = grid.flat_index(points)
+    assert index[0] == 2 * 32 + 7 and valid.tolist() == [1.0, 0.0, 0.0]
+    assert (index >= 0).all() and (index < 32 * 32).all()
+
+
+def test_box_code_round_trip():
+    boxes = random_boxes(20, torch.Generator().manual_seed(1))
+    code = box_code.encode(boxes)
+    assert code.shape == (20, 10)
+    torch.testing.assert_close(code[:, 3:6], boxes[:, 3:6].log())
+    torch.testing.assert_close(box_code.decode(code), boxes)
+
+
+def test_focal_losses():
+    logits, targets = torch.randn(5, 7), (torch.rand(5, 7) > 0.7).float()
+    expected = torchvision.ops.sigmoid_focal_loss(logits, targets, reduction="sum")
+    torch.testing.assert_close(sigmoid_focal_loss(logits, targets), expected)
+    # CenterNet: a peak at p = 0.5 costs -log(0.5) * 0.5^2; a negative at p = 0.5 on a 0.5 gaussian costs
+    # -log(0.5) * 0.5^2 * (1 - 0.5)^4.
+    loss = gaussian_focal_loss(torch.zeros(2), torch.tensor([1.0, 0.5]))
+    torch.testing.assert_close(loss, torch.tensor(math.log(2) * (0.25 + 0.25 / 16)))
+
+
+def test_image_encoder_returns_one_level_at_the_stride():
+    encoder = ImageEncoder("resnet18", 8, stride=8)
+    out = encoder(torch.randn(2, 3, 32, 88))
+    assert out.shape == (2, 8, 4, 11)
+    out.square().sum().backward()
+    assert all(lateral.weight.grad.abs().sum() > 0 for lateral in encoder.laterals)  # strides 8, 16 and 32 feed in
+    with pytest.raises(
+        ValueError, match=r"images of \(16, 88\) pixels are smaller than the backbone's coarsest stride 32"
+    ):
+        encoder(torch.randn(1, 3, 16, 88))
+    with pytest.raises(ValueError, match=r"feature strides \[2, 4, 8, 16, 32\]; stride=12"):
+        ImageEncoder("resnet18", 8, stride=12)
+
+
+# --- heads ----------------------------------------------------------------------------------------------
+
+
+def test_center_head_decodes_its_own_targets_to_the_boxes():
+    head = CenterHead(8, 10, BEVGrid(RANGE, (32, 32)), channels=8)
+    boxes = torch.tensor(
+        [[-20.1, 5.3, 0.7, 1.9, 4.5, 1.6, 0.3, 1.0, -2.0], [12.7, -30.2, 1.1, 2.4, 9.0, 3.1, -2.8, 0.0, 0.5]]
+    )
+    outside = torch.tensor([[52.0, 0.0, 0.5, 2.0, 4.0, 1.5, 0.0, 0.0, 0.0]])  # just beyond the grid: left out
+    heatmap, regression, mask = head.targets(torch.cat([boxes, outside]), torch.tensor([0, 7, 3]))
+    assert mask.sum() == 2 and heatmap[3].eq(0).all()
+    assert heatmap.flatten(1).amax(1).tolist() == [1.0, 0, 0, 0, 0, 0, 0, 1.0, 0, 0]
+    logits = torch.logit(heatmap.clamp(1e-6, 1 - 1e-6))[None]
+    (found,) = head.decode({"heatmap": logits, "regression": regression[None]})
+    order = found["labels"][:2].argsort()
+    torch.testing.assert_close(found["boxes"][:2][order], boxes, atol=1e-4, rtol=0)
+    assert found["labels"][:2][order].tolist() == [0, 7]
+
+
+def test_hungarian_matching_finds_the_permutation():
+    head = QueryHead(16, 10, RANGE)
+    targets = box_code.encode(random_boxes(4, torch.Generator().manual_seed(2)))
+    labels = torch.tensor([1, 4, 4, 9])
+    queries = torch.tensor([5, 0, 3, 6])  # query queries[j] predicts target j exactly
+    codes = torch.randn(1, 8, 10) * 30
+    codes[0, queries] = targets
+    logits = torch.full((1, 8, 10), -5.0)
+    logits[0, queries, labels] = 5.0
+    batch, query, matched, matched_labels = head.match(logits, codes, [targets], [labels])
+    assert batch.tolist() == [0] * 4
+    for q, code, label in zip(query, matched, matched_labels):
+        j = queries.tolist().index(q)
+        assert torch.equal(code, targets[j]) and label == labels[j]
+
+
+# --- how each module assembles geometry and features ----------------------------------------------------
+
+
+def test_petr_position_encoder_sees_each_cells_own_frustum():
+    model = PETR.tiny()
+    inputs = []
+    model.position.encoder.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    lidar2img = rig(6, 32, 88)[2].expand(2, -1, -1, -1)
+    model.position(torch.randn(12, 32, 2, 6), lidar2img, (32, 88))
+    points = frustum_to_ego(lidar2img, model.position.depths, (2, 6), (32, 88))  # (2, 6, D, 2, 6, 3)
+    low, high = torch.tensor(RANGE[:3]), torch.tensor(RANGE[3:])
+    for b, n, i, j in [(0, 0, 0, 0), (1, 4, 1, 5), (0, 2, 1, 3)]:
+        # Compared after a sigmoid: the inverse sigmoid is ill-conditioned at the range border.
+        expected = ((points[b, n, :, i, j] - low) / (high - low)).clamp(1e-5, 1 - 1e-5).flatten()
+        torch.testing.assert_close(inputs[0][b * 6 + n, :, i, j].sigmoid(), expected)
+
+
+def test_lift_splat_pools_each_frustum_point_into_its_bev_cell():
+    model = LiftSplat.tiny()  # 32 x 32 cells of 3.2 m, depth bins linspace(1, 60, 8)
+    _, cam2ego, lidar2img = rig(6, 16, 48)  # 1 x 3 features: cell (0, 1) lies on the optical axis
+    volume = torch.zeros(2 * 6, 16, 8, 1, 3)
+    value = torch.randn(16)
+    volume[6 + 1, :, 2, 0, 1] = value  # sample 1, camera 1, depth bin 2
+    volume[0, :, 7, 0, 1] = torch.randn(16)  # sample 0, camera 0, 60 m ahead: outside the range
+    bev = model.splat(volume, lidar2img.expand(2, -1, -1, -1), (16, 48))
+    point = cam2ego[1, :3, 3] + model.depths[2] * cam2ego[1, :3, 2]
+    expected = torch.zeros(2, 16, 32, 32)
+    expected[1, :, int((point[0] + 51.2) // 3.2), int((point[1] + 51.2) // 3.2)] = value
+    torch.testing.assert_close(bev, expected)
+
+
+def test_simple_bev_averages_the_cameras_that_see_each_voxel():
+    model = SimpleBEV.tiny()  # 32 x 32 cells of 3.2 m, 4 heights of 2 m from -5 m
+    lidar2img = rig(6, 32, 88)[2]
+    per_camera = torch.randn(6, 3)
+    features = per_camera[:, :, None, None].expand(6, 3, 4, 11)  # constant over each camera's image
+    bev = model.lift(features, lidar2img[None], (32, 88)).view(3, 4, 32, 32)
+    centres = -51.2 + (torch.arange(32) + 0.5) * 3.2
+    z, x, y = torch.meshgrid(torch.tensor([-4.0, -2.0, 0.0, 2.0]), centres, centres, indexing="ij")
+    camera = torch.einsum("nij,zxyj->nzxyi", lidar2img, torch.stack([x, y, z, torch.ones_like(z)], -1))
+    u, v, depth = camera[..., 0] / camera[..., 2], camera[..., 1] / camera[..., 2], camera[..., 2]
+    seen = (depth > 0) & (u >= -0.5) & (u <= 87.5) & (v >= -0.5) & (v <= 31.5)
+    # Between the outermost feature-cell centres (pixels 3.5 .. 83.5 and 3.5 .. 27.5) bilinear sampling of a
+    # constant map returns the constant; nearer the border grid_sample blends in its zero padding.
+    interior = (u >= 3.5) & (u <= 83.5) & (v >= 3.5) & (v <= 27.5)
+    clean = ~(seen & ~interior).any(0)
+    expected = (seen[:, None] * per_camera[:, :, None, None, None]).sum(0) / seen.sum(0).clamp(min=1)
+    assert clean.sum() > 3000 and (seen.sum(0)[clean] == 2).sum() > 50  # includes overlaps of two cameras
+    torch.testing.assert_close(bev[:, clean], expected[:, clean])
+
+
+# --- modules --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_step_reaches_every_parameter(name):
+    model, batch = _model_and_batch(name, batch=2, cameras=6)
+    seen = []
+    model.encoder.backbone.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    losses = model.loss(model(batch), batch)
+    losses["loss"].backward()
+    frames = 2 if name == "petrv2" else 1
+    assert seen == [(2 * 6 * frames, 3, 32, 88)]
+    assert torch.isfinite(losses["loss"]) and all(t > 0 for t in _terms(losses))
+    assert not [n for n, p in model.named_parameters() if p.grad is None]
+    # (PETR's first self-attention acts on the all-zero initial queries, so some of its gradients are zero.)
+    first = next(model.encoder.backbone.parameters())
+    assert first.grad.abs().sum() > 0 and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_overfitting_one_batch_lowers_both_loss_terms(name):
+    model, batch = _model_and_batch(name, batch=1, cameras=6)
+    optimizer = model.configure_optimizers()
+    history = []
+    for _ in range(25):
+        losses = model.loss(model(batch), batch)
+        optimizer.zero_grad()
+        losses["loss"].backward()
+        optimizer.step()
+        history.append([t.item() for t in _terms(losses)])
+    (cls0, box0), (cls1, box1) = history[0], history[-1]
+    assert cls1 < 0.8 * cls0 and box1 < 0.9 * box0, history
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_predictions_have_the_metric_format(name):
+    model, batch = _model_and_batch(name, batch=2, cameras=6)
+    model.eval()
+    with torch.no_grad():
+        predictions = model.predict_step(batch, 0)
+    assert len(predictions) == 2
+    for p in predictions:
+        n = p["scores"].shape[0]
+        assert n > 0 and p["boxes"].shape == (n, 9) and p["labels"].shape == (n,)
+        assert p["labels"].dtype == torch.long and 0 <= p["labels"].min() and p["labels"].max() < 10
+        assert (p["scores"][:-1] >= p["scores"][1:]).all() and (p["boxes"][:, 3:6] > 0).all()
+        assert p["boxes"][:, 6].abs().max() <= math.pi
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_empty_scene_trains_the_no_object_class_only(name):
+    model, batch = _model_and_batch(name, batch=2, cameras=6, boxes=0)
+    losses = model.loss(model(batch), batch)
+    classification, box = _terms(losses)
+    assert classification > 0 and box == 0 and box.requires_grad
+    losses["loss"].backward()
+    assert model.head.heatmap[-1].weight.grad is not None if hasattr(model.head, "heatmap") else True
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bad_input_raises_before_the_backbone_runs(name):
+    model, batch = _model_and_batch(name, batch=2, cameras=6)
+    calls = []
+    model.encoder.backbone.register_forward_pre_hook(lambda *_: calls.append(1))
+    wrong_cameras = {**batch, "lidar2img": batch["lidar2img"][:, :5]}
+    with pytest.raises(ValueError, match=r"lidar2img must be .*\(2, 6, 4, 4\).*got \(2, 5, 4, 4\)"):
+        model(wrong_cameras)
+    _, _, large = rig(6, 96, 264)  # calibration of 3x larger images
+    wrong_size = {**batch, "lidar2img": large.expand(2, -1, -1, -1)}
+    with pytest.raises(ValueError, match=r"lidar2img\[0, 0\] has its principal point at \(u, v\) = \(131.5, 47.5\)"):
+        model(wrong_size)
+    with pytest.raises(ValueError, match=r"images must be \(B, N, 3, H, W\), got \(12, 3, 32, 88\)"):
+        model({**batch, "images": batch["images"].flatten(0, 1)})
+    assert not calls
+
+
+def test_petrv2_needs_and_uses_the_previous_frame():
+    model, batch = _model_and_batch("petrv2", batch=1, cameras=2)
+    with pytest.raises(ValueError, match="prev_images"):
+        model({k: v for k, v in batch.items() if k != "prev_images"})
+    with pytest.raises(ValueError, match=r"prev_images must be .*\(1, 2, 3, 32, 88\).*got \(1, 2, 3, 32, 64\)"):
+        model({**batch, "prev_images": batch["prev_images"][..., :64]})
+    logits = model(batch)["logits"]
+    moved = {**batch, "prev_lidar2img": batch["lidar2img"]}  # same images, no ego motion
+    assert not torch.allclose(model(moved)["logits"], logits)
+    assert not torch.allclose(model({**batch, "prev_images": -batch["prev_images"]})["logits"], logits)
+
+
+# --- the Lightning loop ---------------------------------------------------------------------------------
+
+
+class RecordingMetric(torchmetrics.Metric):
+    """Stands in for lightning_spatial.metrics.NuScenesDetection: counts samples, checks the formats."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("samples", torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, preds, targets):
+        assert len(preds) == len(targets)
+        for p, t in zip(preds, targets):
+            assert p["boxes"].shape[1] == 9 and t["boxes"].shape[1] == 9 and len(t["labels"]) == len(t["boxes"])
+        self.samples += len(preds)
+
+    def compute(self):
+        return {"mAP": self.samples / 10, "NDS": self.samples / 20}
+
+
+def test_trainer_fits_validates_with_a_metric_and_predicts():
+    torch.manual_seed(0)
+    model = LiftSplat.tiny(metric=RecordingMetric())
+    batches = [surround_batch(batch=1, cameras=2, seed=s) for s in range(2)]
+
+    def loader():
+        return torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+
+    trainer = L.Trainer(
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
+    trainer.fit(model, loader(), loader())
+    assert trainer.callback_metrics["val_mAP"] == pytest.approx(0.2)  # 2 samples validated
+    assert trainer.callback_metrics["val_NDS"] == pytest.approx(0.1)
+    assert {"train_loss", "val_loss", "val_loss_heatmap"} <= set(trainer.callback_metrics)
+    predictions = trainer.predict(model, loader())
+    assert len(predictions) == 2 and predictions[0][0]["boxes"].shape[1] == 9
+    assert model.hparams.bev_size == (32, 32) and "metric" not in model.hparams

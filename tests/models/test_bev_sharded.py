@@ -1,0 +1,52 @@
+"""The unchanged BEV modules on width-sharded images (2 gloo ranks, float64): loss and image gradient equal
+the single-process ones. Ops still without a spatial handler take the exact gather fallback; each module may
+use only the one its family's handler (being written) will replace, so a new fallback fails here."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
+from tests.models.surround import surround_batch
+from tests.oracle import check
+from tests.spmd import axes, run_spmd
+
+CASES = {
+    "lift_splat": (LiftSplat.tiny, {}, {"Tensor.index_add"}),  # voxel pooling of the frustum features
+    "simple_bev": (SimpleBEV.tiny, {}, set()),
+    "petrv2": (  # cross-attention over camera tokens
+        PETR.tiny,
+        dict(temporal=True, feature_guided_pe=True),
+        {"torch.nn.functional.multi_head_attention_forward"},
+    ),
+}
+
+
+def _case(name):
+    make, options, allowed = CASES[name]
+    torch.manual_seed(0)
+    model = make(**options).double()
+    batch = surround_batch(batch=1, cameras=2, height=32, width=96, temporal=options.get("temporal", False))
+    batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+
+    names = [k for k in ("images", "prev_images") if k in batch]  # sharded like the strategy's collate does
+
+    def loss(*images):
+        return model.loss(model({**batch, **dict(zip(names, images))}), batch)["loss"]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check(loss, [batch[k] for k in names], sharded=range(len(names)), axes=axes("w2"), allow_fallback=True)
+    marker = " has no spatial handler"
+    fallbacks = {
+        str(w.message).split(marker)[0].removeprefix("lightning_spatial: ") for w in caught if marker in str(w.message)
+    }
+    assert fallbacks <= allowed, fallbacks
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_module_is_exact_on_width_sharded_images(name):
+    run_spmd(_case, 2, name, timeout=300)

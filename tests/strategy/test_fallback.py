@@ -1,0 +1,50 @@
+"""``SpatialParallelStrategy(fallback=...)``: an op without a spatial handler raises (naming the op, the module
+path and the bytes it would gather), warns once, or gathers silently; the strategy's settings last for the run."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_spatial import LayoutError, SpatialFallbackWarning, SpatialParallelStrategy, tensor
+from tests.spmd import as_torchrun, run_spmd
+from tests.strategy.lit import Images, LitModel, loader
+
+
+class Cumsum(torch.nn.Module):
+    """A scan along the sharded width: no spatial handler, so it takes the gather fallback."""
+
+    def forward(self, x):
+        return x.cumsum(-1) / x.shape[-1]
+
+
+def _fit(fallback: str) -> None:
+    model = LitModel("segnet")
+    model.model.head = torch.nn.Sequential(model.model.head, Cumsum())
+    strategy = SpatialParallelStrategy(2, fallback=fallback)
+    L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False, enable_progress_bar=False
+    ).fit(model, loader(Images(4, 16, 24), 2))
+
+
+def _modes():
+    as_torchrun()  # Trainers run inside these ranks, one after the other
+    message = r"Tensor.cumsum in module 'model.head.1' \(Cumsum\) has no spatial handler; would gather [0-9.]+ MiB"
+    with pytest.raises(LayoutError, match=message):
+        _fit("error")
+    assert tensor._mode == "warn" and tensor.module_names == {}, "the run's settings outlived it"
+    for mode, expected in (("warn", 1), ("silent", 0)):  # 4 steps call the op
+        tensor._warned.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _fit(mode)
+        fallbacks = [str(w.message) for w in caught if w.category is SpatialFallbackWarning]
+        assert len(fallbacks) == expected, (mode, fallbacks)
+        assert all("in module 'model.head.1' (Cumsum)" in m for m in fallbacks), fallbacks
+
+
+def test_fallback_mode_error_warn_silent():
+    run_spmd(_modes, 2)
