@@ -7,9 +7,9 @@ transformer layers reach it through torch's own ``multi_head_attention_forward``
   each rank attends to its keys with a fused kernel that also returns the log-sum-exp ``lse_i`` of every
   query row; one all-reduce of the max and one of the rescaled outputs packed with their weights give
   ``lse = log sum_i exp(lse_i)`` and ``O = sum_i exp(lse_i - lse) O_i``. No rank ever holds all keys or a
-  score matrix. The backward all-reduces the output gradient (the sum of its splits) and runs the local
-  kernel backward with the *global* ``O`` and ``lse``: dk/dv are local, dq is this rank's split of the
-  query gradient (the split convention; DDP's all-reduce sums it).
+  score matrix. The backward all-reduces the output gradient (the sum of its shares) and runs the local
+  kernel backward with the *global* ``O`` and ``lse``: dk/dv are local, dq is this rank's share of the
+  query gradient (the split convention: DDP sums the shares).
 - **sharded queries, replicated keys**: local.
 - **both sharded** (self-attention over camera tokens): keys and values are all-gathered, so every rank holds
   all of K/V (and the adjoint reduce-scatters their gradients), then it is the local case.
@@ -192,7 +192,7 @@ class _ShardedKeys(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         q, k, v, bias, out, lse, *state = ctx.saved_tensors
-        grad = across_detached(grad, ctx.shards).contiguous()  # the sum of the output gradient's splits
+        grad = across_detached(grad, ctx.shards).contiguous()  # the sum of the output gradient's shares
         dq, dk, dv = _kernel_backward(grad, q, k, v, bias, out, lse, state, ctx.scale)
         return dq, dk, dv, None, None, None, None
 
