@@ -117,14 +117,36 @@ def moved_shards(shards, dim: int) -> tuple[DimShard, ...]:
     return tuple(replace(s, dim=dim) for s in shards)
 
 
-def meta_check(func: Callable, *args, **kwargs):
+def meta_check(func: Callable, *args, **kwargs) -> None:
     """Run ``func`` on meta tensors of the operands' global shapes: torch's own argument errors (shapes,
-    dtypes, mask sizes) on every rank before any message, at no memory cost. Returns the meta result."""
+    dtypes, mask sizes) on every rank before any message, at no memory cost. A signature that passed once
+    is not checked again (the meta call costs about a millisecond for attention)."""
+    key = (func, _signature(args), _signature(kwargs))
+    try:
+        if key in _CHECKED:
+            return
+    except TypeError:  # an unhashable argument: check every time
+        key = None
+    func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+    if key is not None:
+        if len(_CHECKED) > 4096:
+            _CHECKED.clear()
+        _CHECKED.add(key)
 
-    def meta(t):
-        if isinstance(t, torch.Tensor):
-            return torch.empty(t.shape, dtype=t.dtype, device="meta")  # a SpatialTensor's shape is global
-        return t
 
-    args, kwargs = tree_map(meta, (args, kwargs))
-    return func(*args, **kwargs)
+_CHECKED: set = set()
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t  # global shape
+
+
+def _signature(value):
+    """What a meta call's outcome depends on: tensors' global shapes and dtypes, and the other arguments."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    return value
