@@ -4,6 +4,7 @@ nn.TransformerDecoderLayer, against one process (outputs and every gradient, wei
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from tests.ops.cases import DTYPES, check_cases, raises_like_one_device
-from tests.spmd import LAYOUTS, run_spmd
+from tests.oracle import check
+from tests.spmd import LAYOUTS, axes, run_spmd
 
 B, HEADS, E, LQ, H = 2, 2, 4, 6, 5
 C = HEADS * E
@@ -285,3 +287,22 @@ _MHA = torch.nn.MultiheadAttention(C, HEADS, batch_first=True)
 def test_bad_masks_raise_torchs_error_before_communicating(case):
     make, op, sharded, message = ERRORS[case]
     run_spmd(raises_like_one_device, 2, "w2", op, make(), sharded, message, timeout=30)
+
+
+def _appended_keys_case():
+    torch.manual_seed(1)
+    module = torch.nn.MultiheadAttention(C, HEADS, batch_first=True, add_bias_kv=True, add_zero_attn=True)
+    names = [n for n, _ in module.named_parameters()]
+    params = [p.detach().clone() for p in module.parameters()]
+
+    def op(q, m, *weights):
+        return functional_call(module, dict(zip(names, weights)), (q, tokens(m), tokens(m)))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check(op, [torch.randn(B, LQ, C), _maps("w2", C), *params], [1], axes("w2"), allow_fallback=True)
+    assert any(".cat has no spatial handler" in str(w.message) for w in caught)  # the announced gather
+
+
+def test_bias_kv_and_zero_attention_append_a_key_exactly_through_the_fallback():
+    run_spmd(_appended_keys_case, 2)
