@@ -11,7 +11,9 @@ the queries, the decoder and the camera features:
   every layer (what a model got before ``ops.attention``).
 
 One GPU runs one rank with PyTorch's ``fake`` process group (collectives return at once: one rank's real
-compute and memory; the all-reduces' bytes are reported, not sent):
+compute and memory; the all-reduces' bytes are reported, not sent). ``peak GiB`` is
+``torch.cuda.max_memory_allocated`` over the timed steps, ``step GiB`` the part above what stays allocated
+between steps (weights, their gradients, the inputs): the activations and workspace of forward + backward.
 
     python recipes/bench_attention.py --check     # first: our CUDA kernels against torch (S=1, exact), then
     python recipes/bench_attention.py             # the table; rows appended to $OUT/bench_attention.jsonl
@@ -113,8 +115,9 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(step, device, steps: int, warmup: int) -> tuple[float, float]:
-    """(median ms, peak GiB above what was allocated before the first step)."""
+def measure(step, device, steps: int, warmup: int) -> tuple[float, float, float]:
+    """(median ms, peak GiB, peak GiB above what stays allocated between steps: weights, their gradients,
+    inputs)."""
     for _ in range(warmup):
         step()
     sync(device)
@@ -128,8 +131,8 @@ def measure(step, device, steps: int, warmup: int) -> tuple[float, float]:
         step()
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    peak = (torch.cuda.max_memory_allocated(device) - base) / GIB if device.type == "cuda" else float("nan")
-    return statistics.median(times), peak
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
+    return statistics.median(times), peak, peak - base / GIB
 
 
 @contextlib.contextmanager
@@ -161,7 +164,7 @@ def run_mode(args, device, mode: str) -> dict:
     queries, leaf, features = inputs(args, device, columns, axis)
     step = step_fn(model, queries, features, args)
     with without_attention_handler() if mode == "gather" else contextlib.nullcontext():
-        ms, peak = measure(step, device, args.steps, args.warmup)
+        ms, peak, transient = measure(step, device, args.steps, args.warmup)
     tokens = args.batch * args.cameras * args.height * args.width
     row = {
         "mode": mode,
@@ -177,6 +180,7 @@ def run_mode(args, device, mode: str) -> dict:
         "dropout": args.dropout,
         "ms": ms,
         "peak_gib": peak,
+        "step_gib": transient,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     if mode == "split":  # per layer: one max all-reduce (B, h, Lq) and one of (B, h, Lq, E + 1), then dO's
@@ -205,7 +209,12 @@ def check(args, device) -> float:
     return worst
 
 
-COLUMNS = [("ms", "ms", 9, 1), ("peak GiB", "peak_gib", 9, 3), ("tokens here", "tokens_here", 12, 0)]
+COLUMNS = [
+    ("ms", "ms", 9, 1),
+    ("peak GiB", "peak_gib", 9, 3),
+    ("step GiB", "step_gib", 9, 3),
+    ("tokens here", "tokens_here", 12, 0),
+]
 
 
 def print_table(rows: list[dict]) -> None:
