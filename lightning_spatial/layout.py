@@ -183,6 +183,14 @@ class Layout:
         shards = tuple(replace(s, dim=dims[s.dim]) for s in self.shards if s.dim in dims)
         return Layout(shards) if shards else None
 
+    def positions(self, dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Global indices along ``dim`` of this rank's entries, in local order (a merged dim's tokens too)."""
+        return _positions(self.on(dim), torch.device(device))
+
+    def owners(self, dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """This rank's local position of every global index along ``dim``; ``-1`` where another rank holds it."""
+        return _owners(self.on(dim), torch.device(device))
+
     def describe(self) -> str:
         def one(s: DimShard) -> str:
             merged = f" of {s.outer}x[{s.size}]x{s.inner} tokens" if s.merged else ""
@@ -206,6 +214,21 @@ def _factors(shards: tuple[DimShard, ...]) -> tuple[tuple[int, DimShard | None],
     if extent > done:
         out.append((extent // done, None))
     return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def _positions(shards: tuple[DimShard, ...], device: torch.device) -> torch.Tensor:
+    if not shards:
+        raise LayoutError("positions: the dim is not sharded")
+    along_one_dim = Layout(tuple(replace(s, dim=-1) for s in shards))
+    return along_one_dim.take_local(torch.arange(shards[0].extent, device=device))
+
+
+@lru_cache(maxsize=256)
+def _owners(shards: tuple[DimShard, ...], device: torch.device) -> torch.Tensor:
+    mine = _positions(shards, device)
+    table = torch.full((shards[0].extent,), -1, dtype=torch.long, device=device)
+    return table.index_copy_(0, mine, torch.arange(len(mine), device=device))
 
 
 @lru_cache(maxsize=4096)

@@ -101,6 +101,9 @@ ALIASES = {
     "__getitem__": "x[...]",
     "linalg_vector_norm": "linalg.vector_norm",
     "concat": "cat",
+    "matmul__": "__matmul__",
+    "rmatmul__": "__rmatmul__",
+    **{f"grid_sampler_{d}d": "grid_sample" for d in (2, 3)},
     **{f"{kind}_pool{d}d": "pool 1d, 3d" for kind in ("max", "avg", "adaptive_max", "adaptive_avg") for d in (1, 3)},
 }
 

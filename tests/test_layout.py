@@ -9,6 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_spatial.layout import (
+    Axis,
+    DimShard,
+    Layout,
     adaptive_bins,
     conv_out_size,
     conv_window,
@@ -82,3 +85,24 @@ def test_source_index_matches_torch_pad(mode):
     x = torch.arange(n, dtype=torch.float64).view(1, 1, n)
     padded = F.pad(x, (pad, pad), mode=mode, **({"value": -1.0} if mode == "constant" else {})).flatten().tolist()
     assert [float(source_index(pos, n, mode)) for pos in range(-pad, n + pad)] == padded
+
+
+def _token_layout(ih: int, iw: int):
+    """Tokens (N=2 cameras x h=5 x w=7) of 2x3 tiles: two sharded factors of one merged dim."""
+    h, w = DimShard(-2, Axis((0, 3), ih), 5, 2, 7), DimShard(-2, Axis((0, 1, 2), iw), 7, 10, 1)
+    return Layout((h, w))
+
+
+def test_token_positions_and_owners_partition_the_tokens_in_order():
+    seen = []
+    for ih in range(2):
+        for iw in range(3):
+            layout = _token_layout(ih, iw)
+            pos = layout.positions(-2)
+            assert torch.equal(pos, layout.take_local(torch.arange(70).view(70, 1)).flatten())
+            assert bool((pos[1:] > pos[:-1]).all())  # local order is global order (top-k ties rely on it)
+            owners = layout.owners(-2)
+            assert torch.equal(owners[pos], torch.arange(len(pos)))
+            assert int((owners >= 0).sum()) == len(pos)
+            seen.append(pos)
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(70))

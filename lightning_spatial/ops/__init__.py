@@ -3,11 +3,47 @@
 from __future__ import annotations
 
 from ..tensor import HANDLERS
-from . import autograd, conv, elementwise, loss, norm, pad, pool, queries, random, reduce, resample, sample, shape
+from . import (
+    attention,
+    autograd,
+    conv,
+    elementwise,
+    index,
+    loss,
+    matmul,
+    norm,
+    pad,
+    pool,
+    queries,
+    random,
+    reduce,
+    resample,
+    sample,
+    select,
+    shape,
+)
 
 # Later families override earlier ones (e.g. ``shape`` handles the ``mT`` property ``queries`` would answer,
 # ``autograd`` the ``grad`` property).
-FAMILIES = (elementwise, queries, autograd, conv, pad, pool, norm, resample, sample, random, reduce, shape, loss)
+FAMILIES = (
+    elementwise,
+    queries,
+    autograd,
+    conv,
+    pad,
+    pool,
+    norm,
+    resample,
+    sample,
+    random,
+    reduce,
+    shape,
+    loss,
+    matmul,
+    attention,
+    index,
+    select,
+)
 
 
 def install() -> None:

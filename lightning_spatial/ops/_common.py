@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
+from torch.utils._pytree import tree_map
 
 from ..halo import fetch_window
 from ..layout import DimShard, Layout, LayoutError, partition
@@ -92,3 +94,59 @@ def fetch_windows(
 
 def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:
     return layout.with_sizes({s.dim: out_sizes[i] for i, s in shards.items()})
+
+
+def negative_dim(dim: int, ndim: int) -> int:
+    return dim - ndim if dim >= 0 else dim
+
+
+def layout_of(shards) -> Layout | None:
+    """A layout of these shards; ``None`` (replicated) when there are none."""
+    shards = tuple(shards)
+    return Layout(shards) if shards else None
+
+
+def split_shards(layout: Layout | None, dim: int) -> tuple[tuple[DimShard, ...], tuple[DimShard, ...]]:
+    """(the shards of ``dim``, the other shards) of a layout (a merged dim has several)."""
+    shards = layout.shards if layout else ()
+    return tuple(s for s in shards if s.dim == dim), tuple(s for s in shards if s.dim != dim)
+
+
+def moved_shards(shards, dim: int) -> tuple[DimShard, ...]:
+    """The same shards on tensor dim ``dim`` (e.g. the keys' token dim as a mask's last dim)."""
+    return tuple(replace(s, dim=dim) for s in shards)
+
+
+def meta_check(func: Callable, *args, **kwargs) -> None:
+    """Run ``func`` on meta tensors of the operands' global shapes: torch's own argument errors (shapes,
+    dtypes, mask sizes) on every rank before any message, at no memory cost. A signature that passed once
+    is not checked again (the meta call costs about a millisecond for attention)."""
+    key = (func, _signature(args), _signature(kwargs))
+    try:
+        if key in _CHECKED:
+            return
+    except TypeError:  # an unhashable argument: check every time
+        key = None
+    func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+    if key is not None:
+        if len(_CHECKED) > 4096:
+            _CHECKED.clear()
+        _CHECKED.add(key)
+
+
+_CHECKED: set = set()
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t  # global shape
+
+
+def _signature(value):
+    """What a meta call's outcome depends on: tensors' global shapes and dtypes, and the other arguments."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    return value

@@ -72,7 +72,8 @@ def _reshape(func):
 
 
 def _shape_op(func):
-    """flatten, unflatten, squeeze, unsqueeze: run locally, track the sharded dims by global sizes."""
+    """flatten, unflatten, squeeze, unsqueeze: a local reshape; the global result shape comes from running
+    ``func`` on a meta tensor (its arguments, e.g. ``unflatten``'s sizes, are global)."""
 
     def op(input, *args, **kwargs):
         x, layout = unwrap(input)
@@ -81,7 +82,7 @@ def _shape_op(func):
         new = track(layout, global_in, global_out)
         if new is None:
             return fallback(func, (input, *args), kwargs)
-        return wrap(func(x, *args, **kwargs), new)
+        return wrap(x.reshape(new.local_shape(global_out)), new)
 
     return op
 

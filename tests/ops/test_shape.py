@@ -25,11 +25,12 @@ LOCAL_OPS = {  # keep every sharded dim whole: must run without a fallback
     # the same arguments twice on different layouts (permutations are cached per layout and arguments)
     "permute_list_twice": lambda x, w: x.permute([0, 1, 3, 2]).permute([0, 1, 3, 2]) * w[2, 1],
     "movedim_keywords": lambda x, w: x.movedim(source=(1, 2), destination=(3, 1)) * w[2, 2],
-}
-
-GATHER_OPS = {  # merge or cut a sharded dim: exact through the gather fallback
+    # merge the sharded dims into one token dim (tests/ops/test_tokens.py has more)
     "flatten_tokens": lambda x, w: F.linear(x.flatten(2).transpose(1, 2), w),
     "view_tokens": lambda x, w: x.view(x.shape[0], x.shape[1], -1) * w[0, 0],
+}
+
+GATHER_OPS = {  # cut a sharded dim: exact through the gather fallback
     "cat_width": lambda x, w: torch.cat([x, x], -1) * w[0, 1],
 }
 
@@ -48,7 +49,7 @@ def test_shape_ops_stay_local(layout, name):
 
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 @pytest.mark.parametrize("name", list(GATHER_OPS))
-def test_shape_ops_that_merge_a_sharded_dim_gather(layout, name):
+def test_shape_ops_that_cut_a_sharded_dim_gather(layout, name):
     run_spmd(_case, LAYOUTS[layout][0], layout, name, GATHER_OPS, True)
 
 

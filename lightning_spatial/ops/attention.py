@@ -1,0 +1,224 @@
+"""Attention over sharded tokens, exact, without gathering the keys of cross-attention.
+
+``F.scaled_dot_product_attention`` meets three layouts in a BEV model (``nn.MultiheadAttention`` and the
+transformer layers reach it through torch's own ``multi_head_attention_forward``, run on the sharded tensors):
+
+- **replicated queries, keys/values sharded along the key dim** (decoder cross-attention over camera tokens):
+  each rank attends to its keys with a fused kernel that also returns the log-sum-exp ``lse_i`` of every
+  query row; one all-reduce of the max and one of the rescaled outputs packed with their weights give
+  ``lse = log sum_i exp(lse_i)`` and ``O = sum_i exp(lse_i - lse) O_i``. No rank ever holds all keys or a
+  score matrix. The backward all-reduces the output gradient (the sum of its shares) and runs the local
+  kernel backward with the *global* ``O`` and ``lse``: dk/dv are local, dq is this rank's share of the
+  query gradient (the split convention: DDP sums the shares).
+- **sharded queries, replicated keys**: local.
+- **both sharded** (self-attention over camera tokens): keys and values are all-gathered, so every rank holds
+  all of K/V (and the adjoint reduce-scatters their gradients), then it is the local case.
+
+Dropout, a float mask that needs a gradient, or a device or dtype without a fused kernel take torch's math
+formula written on the sharded tensors: scores, softmax, dropout (its mask drawn for the global attention
+matrix, as for every sharded dropout) and the value product dispatch to their own exact handlers.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from ..collectives import across_detached
+from ..layout import Layout
+from ..tensor import SpatialTensor, fallback, gather, localize, unwrap, wrap
+from ._common import meta_check, moved_shards
+
+
+def _along(layout: Layout | None, dim: int) -> bool:
+    return layout is None or all(s.dim == dim for s in layout.shards)
+
+
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    args, kwargs = (query, key, value, attn_mask, dropout_p, is_causal), {"scale": scale, "enable_gqa": enable_gqa}
+    meta_check(F.scaled_dot_product_attention, *args, **kwargs)  # torch's own argument errors, before any message
+    lq, lk, lv = (unwrap(t)[1] for t in (query, key, value))
+    if lk != lv or not (_along(lq, -2) and _along(lk, -2)) or lq is lk is None:
+        return fallback(F.scaled_dot_product_attention, args, kwargs)
+    if lq is not None and lk is not None:  # every query needs every key: gather K/V, keep 1/S of the queries
+        key, value, lk = gather(key), gather(value), None
+        if isinstance(attn_mask, SpatialTensor) and any(s.dim == -1 for s in attn_mask.shard_layout.shards):
+            attn_mask = gather(attn_mask)
+    if is_causal:
+        attn_mask = _causal(lq, lk, query.shape[-2], key.shape[-2], query.device)
+    if enable_gqa:
+        key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
+    q, k, v = (unwrap(t)[0] for t in (query, key, value))
+    if autocast := _autocast_dtype(q):
+        q, k, v = q.to(autocast), k.to(autocast), v.to(autocast)
+    if lk is None:  # queries sharded (or replicated), all keys here: torch's own attention on our queries
+        if dropout_p > 0:
+            return _math(query, key, value, attn_mask, dropout_p, scale)
+        return wrap(F.scaled_dot_product_attention(q, k, v, _local_mask(attn_mask, lq), scale=scale), lq)
+    bias, blind = _bias(_local_mask(attn_mask, Layout(moved_shards(lk.shards, -1))), q, k)
+    grad_mask = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
+    if dropout_p > 0 or grad_mask or not _fused(q, k, v, bias):
+        return _math(query, key, value, attn_mask, dropout_p, scale)
+    return _ShardedKeys.apply(q, k, v, bias, blind, scale, lk.shards)
+
+
+def _local_mask(mask, target: Layout | None) -> torch.Tensor | None:
+    """This rank's part of a mask given for the global (queries, keys) matrix: sharded like the attention,
+    replicated (full size or broadcast), or sharded otherwise (gathered first: a mask is small)."""
+    local, layout = unwrap(mask)
+    if layout is not None and layout == target:
+        return local
+    if layout is not None:
+        local = gather(mask)
+    return localize(F.scaled_dot_product_attention, local, target) if target is not None else local
+
+
+def _causal(lq: Layout | None, lk: Layout | None, nq: int, nk: int, device) -> torch.Tensor:
+    """torch's ``is_causal`` mask (query i sees keys j <= i), only this rank's rows and columns of it."""
+    rows = lq.positions(-2, device) if lq else torch.arange(nq, device=device)
+    cols = lk.positions(-2, device) if lk else torch.arange(nk, device=device)
+    shards = (*(lq.shards if lq else ()), *moved_shards(lk.shards if lk else (), -1))
+    return wrap(rows[:, None] >= cols[None, :], Layout(shards) if shards else None)
+
+
+def _repeat_heads(t, heads: int):
+    """``enable_gqa``: each key/value head serves ``heads // kv_heads`` query heads (the head dim is never sharded)."""
+    local, layout = unwrap(t)
+    return wrap(local.repeat_interleave(heads // local.shape[-3], -3), layout)
+
+
+def _autocast_dtype(q: torch.Tensor) -> torch.dtype | None:
+    return torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else None
+
+
+def _math(query, key, value, mask, dropout_p: float, scale: float | None):
+    """torch's math attention (``_scaled_dot_product_attention_math``) on the sharded tensors."""
+    factor = math.sqrt(scale if scale is not None else 1 / math.sqrt(query.shape[-1]))
+    scores = (query * factor) @ (key * factor).transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(mask.logical_not(), -math.inf) if mask.dtype == torch.bool else scores + mask
+    blind = torch.isneginf(scores.detach().amax(-1, keepdim=True))  # rows that see no key: 0, as torch's safe softmax
+    weights = scores.masked_fill(blind, 0).softmax(-1).masked_fill(blind, 0)
+    if dropout_p > 0:
+        weights = F.dropout(weights, dropout_p)
+    return weights @ value
+
+
+# -- replicated queries, sharded keys: fused kernels that return the log-sum-exp -------------------------
+
+
+def _bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor):
+    """The mask as the kernels take it: additive, in the query dtype; on CUDA expanded to 4-D with rows aligned
+    to 16 elements, as torch's own SDPA prepares it for the memory-efficient kernel. Also the query rows that
+    see none of this rank's keys (from the compact mask, before any expansion)."""
+    if mask is None:
+        return None, None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(mask.logical_not(), -math.inf)
+    mask = mask.to(q.dtype)
+    blind = torch.isneginf(mask).all(-1)
+    if q.is_cuda:
+        mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        n = mask.shape[-1]
+        if n % 16 or mask.stride(-1) != 1 or any(stride % 16 for stride in mask.stride()[:-1]):
+            mask = F.pad(mask, (0, -n % 16))[..., :n]
+    return mask, blind
+
+
+def _fused(q, k, v, bias) -> bool:
+    if q.dim() != 4 or not q.is_floating_point():
+        return False
+    if q.is_cuda:
+        params = torch.backends.cuda.SDPAParams(q, k, v, bias, 0.0, False, False)
+        return torch.backends.cuda.can_use_efficient_attention(params)
+    return q.device.type == "cpu"
+
+
+def _kernel(q, k, v, bias, scale):
+    """(this rank's output, its log-sum-exp per query row, the kernel's state for the backward)."""
+    if q.is_cuda:
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, False, scale=scale
+        )
+        return out, lse, (seed, offset)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=bias, scale=scale
+    )
+    return out, lse, ()
+
+
+def _kernel_backward(grad, q, k, v, bias, out, lse, state, scale):
+    if q.is_cuda:
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, k, v, bias, out, lse, *state, 0.0, [True, True, True, False], False, scale=scale
+        )
+        return dq, dk, dv
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale
+    )
+
+
+class _ShardedKeys(torch.autograd.Function):
+    """Replicated queries attend to this rank's keys; the per-rank results merge exactly by their log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, blind, scale, shards):
+        out, lse, state = _kernel(q, k, v, bias, scale)
+        rows = q.shape[-2]  # the CUDA kernel pads lse's query dim
+        mine = lse[..., :rows]
+        if blind is not None:  # a row that sees none of this rank's keys must weigh nothing
+            mine = mine.masked_fill(blind, -math.inf)
+        top = across_detached(mine, shards, dist.ReduceOp.MAX)
+        top = top.masked_fill(torch.isneginf(top), 0)  # rows no rank sees: every weight is 0
+        weight = torch.exp(mine - top).unsqueeze(-1)
+        part = torch.where(weight > 0, out.to(weight.dtype) * weight, 0)
+        total = across_detached(torch.cat([part, weight], -1), shards)
+        den = total[..., -1]
+        merged = (total[..., :-1] / den.clamp_min(1).unsqueeze(-1)).to(q.dtype)  # den is 0 or >= 1
+        lse = lse.clone()
+        lse[..., :rows] = torch.where(den > 0, top + den.log(), 0)  # 0: the kernels' own value for a masked row
+        ctx.save_for_backward(q, k, v, bias, merged, lse, *state)
+        ctx.scale, ctx.shards = scale, shards
+        return merged
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, k, v, bias, out, lse, *state = ctx.saved_tensors
+        grad = across_detached(grad, ctx.shards).contiguous()  # the sum of the output gradient's shares
+        dq, dk, dv = _kernel_backward(grad, q, k, v, bias, out, lse, state, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+# -- nn.MultiheadAttention -----------------------------------------------------------------------------------
+
+
+def _mha_body():
+    """torch's own ``multi_head_attention_forward`` without its ``__torch_function__`` entry check.
+
+    Run on the sharded tensors, its argument checks (the same errors as on one device, before any message),
+    in-projections (``F.linear``: local on sharded tokens), head views, mask canonicalisation, and the attention
+    (``F.scaled_dot_product_attention``, or scores, softmax, dropout and the weights' product when
+    ``need_weights=True``) each dispatch to their spatial handlers. ``bias_k``/``add_zero_attn`` append a key
+    along the sharded dim: ``torch.cat`` takes the exact (announced) fallback there.
+    """
+    f = F.multi_head_attention_forward
+    scope = {**vars(F), "has_torch_function": lambda *_: False}
+    body = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__, f.__closure__)
+    body.__kwdefaults__ = f.__kwdefaults__
+    return body
+
+
+HANDLERS = {
+    F.scaled_dot_product_attention: scaled_dot_product_attention,
+    F.multi_head_attention_forward: _mha_body(),
+}
+
+__all__ = ["HANDLERS"]
