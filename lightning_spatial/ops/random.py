@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..tensor import unwrap, wrap
+from ._binding import bound
 
 
 def dropout(input, p=0.5, training=True, inplace=False):
@@ -40,11 +41,11 @@ def _feature_dropout(nd: int):
     return feature_dropout
 
 
-HANDLERS = {
-    F.dropout: dropout,
-    F.dropout1d: _feature_dropout(1),
-    F.dropout2d: _feature_dropout(2),
-    F.dropout3d: _feature_dropout(3),
-}
+HANDLERS = (
+    bound(dropout, F.dropout)
+    | bound(_feature_dropout(1), F.dropout1d)
+    | bound(_feature_dropout(2), F.dropout2d)
+    | bound(_feature_dropout(3), F.dropout3d)
+)
 
 __all__ = ["HANDLERS"]
