@@ -231,12 +231,31 @@ def fallback(func, args, kwargs):
     return tree_map(reshard, out)
 
 
+# Where torch's builtins live -> where users call them from.
+_PUBLIC = {
+    "torch._C._nn": "torch.nn.functional",
+    "torch._C._linalg": "torch.linalg",
+    "torch._C._special": "torch.special",
+    "torch._C._fft": "torch.fft",
+    "torch.functional": "torch",
+}
+
+
 def name_of(func: Callable) -> str:
+    """The name a user calls ``func`` by: ``torch.flip``, ``Tensor.sum``, ``torch.linalg.vector_norm``, ``Tensor.T``."""
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":  # a property's getter or setter
+        return f"Tensor.{owner.__name__}" + (" (assignment)" if func.__name__ == "__set__" else "")
     qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     module = getattr(func, "__module__", None) or ""
-    if qual.startswith("_TensorBase.") or qual.startswith("TensorBase."):
-        qual = "Tensor." + qual.split(".", 1)[1]
-    return f"{module}.{qual}" if module and not qual.startswith("Tensor.") else qual
+    if qual.startswith(("_TensorBase.", "TensorBase.")):
+        return "Tensor." + qual.split(".", 1)[1]
+    if qual.startswith("_VariableFunctionsClass."):
+        return "torch." + qual.split(".", 1)[1]
+    if module in _PUBLIC:
+        public = _PUBLIC[module]
+        return f"{public}.{qual.removeprefix(public.rsplit('.', 1)[-1] + '_')}"
+    return f"{module}.{qual}" if module else qual
 
 
 def is_inplace(func: Callable) -> bool:

@@ -1,15 +1,17 @@
 """Per-pixel losses on sharded predictions and targets: torch's own loss per element, reduced globally.
 
 ``reduction='none'`` stays sharded; ``'sum'`` all-reduces the local sum; ``'mean'`` divides the global sum
-by the global denominator torch would use (the element count; for ``cross_entropy``/``nll_loss`` the
-summed class weights of the non-ignored targets; for weighted ``mse_loss``/``l1_loss`` the summed weights). The
-deprecated ``size_average``/``reduce`` arguments choose the reduction as they do in torch. Losses built from element-wise ops and ``mean``/``sum``
-(torchvision's ``sigmoid_focal_loss``) need no handler: the reduction handlers make them exact.
+by the global denominator torch would use: the element count; for ``cross_entropy``/``nll_loss`` the summed
+class weights of the non-ignored targets; for weighted ``mse_loss``/``l1_loss`` the summed weights. The
+deprecated ``size_average``/``reduce`` choose the reduction as in torch. Losses built from element-wise ops
+and ``mean``/``sum`` (torchvision's ``sigmoid_focal_loss``) need no handler: the reduction handlers make them
+exact.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +31,24 @@ def _weighted_count(target: torch.Tensor, weight, ignore_index: int, logits: tor
     return (weight[target.clamp(0, weight.numel() - 1)] * keep).sum()
 
 
+def _l1_weight() -> torch.Tensor | None:
+    """torch 2.14's ``F.l1_loss`` leaves ``weight`` out when it hands the call to ``__torch_function__``; its
+    frame, a few calls up, is the only place the weight still exists."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is F.l1_loss.__code__:
+            return frame.f_locals["weight"]
+        frame = frame.f_back
+    return None
+
+
 def _loss(fn):
     first, second = list(inspect.signature(fn).parameters)[:2]  # prediction and target
     elementwise = _ELEMENTWISE_WEIGHTS.get(fn, ())
 
     def loss(**params):
+        if fn is F.l1_loss and params.get("weight") is None:
+            params["weight"] = _l1_weight()
         size_average, reduce = params.pop("size_average", None), params.pop("reduce", None)
         reduction = params.get("reduction", "mean")
         if size_average is not None or reduce is not None:  # the deprecated spelling, as torch reads it
