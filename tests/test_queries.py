@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_spatial import Axis, DimShard, Layout, SpatialTensor, gather, shard
+from lightning_spatial import Axis, DimShard, Layout, SpatialTensor, fallback_mode, gather, shard
 from lightning_spatial.sharding import ShardingCollate
 from lightning_spatial.tensor import wrap
 from tests.oracle import check
@@ -95,6 +95,11 @@ def test_saving_a_spatial_tensor_is_refused_with_what_to_save():
 
 
 def _global_truth_case(layout):
+    with fallback_mode("error"):  # one boolean all-reduce each, never a gather
+        _global_truths(layout)
+
+
+def _global_truths(layout):
     ax = axes(layout)
     torch.manual_seed(4)
     full = torch.randn(2, 3, 6, 23 if layout == "w3" else 10)
@@ -141,7 +146,7 @@ class _Images(torch.utils.data.Dataset):
 
 def _worker_case():
     collate = ShardingCollate(torch.utils.data.default_collate, axes("w2"))
-    loader = torch.utils.data.DataLoader(_Images(), batch_size=2, num_workers=1, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(_Images(), batch_size=2, num_workers=1, collate_fn=collate, timeout=30)
     for i, batch in enumerate(loader):
         assert isinstance(batch["image"], SpatialTensor) and batch["image"].shape == (2, 3, 8, 10)
         expected = torch.stack([_Images()[2 * i + k]["image"] for k in range(2)])

@@ -21,11 +21,17 @@ from ..tensor import fallback, unwrap, wrap
 from ._binding import bound
 
 
+def _check_p(p: float) -> None:
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+
+
 def dropout(input, p=0.5, training=True, inplace=False):
+    _check_p(p)
     if not training or p == 0:
         return input
     x, layout = unwrap(input)
-    if p == 1:
+    if p == 1:  # as torch: zeros, no random draw
         return wrap(x.mul_(0) if inplace else x * 0, layout)
     noise = torch.empty(layout.global_shape(x), dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
     noise = layout.take_local(noise)
@@ -34,11 +40,14 @@ def dropout(input, p=0.5, training=True, inplace=False):
 
 def _feature_dropout(nd: int):
     def feature_dropout(input, p=0.5, training=True, inplace=False):
+        _check_p(p)
         if not training or p == 0:
             return input
         x, layout = unwrap(input)
         if x.dim() != nd + 2:
             raise ValueError(f"dropout{nd}d on a sharded tensor expects a batched {nd + 2}-d input, got {x.dim()}-d")
+        if p == 1:
+            return wrap(x.mul_(0) if inplace else x * 0, layout)
         noise = x.new_empty(x.shape[:2] + (1,) * nd).bernoulli_(1 - p).div_(1 - p)
         return wrap(x.mul_(noise) if inplace else x * noise, layout)
 

@@ -28,6 +28,7 @@ OPS = {
     "dropout2d": lambda x: F.dropout2d(x, 0.5, training=True),
     "drop_path": DropPath(0.4),
     "eval_dropout": lambda x: F.dropout(x, 0.3, training=False),
+    "dropout2d_p1": lambda x: F.dropout2d(x, 1.0, training=True),  # zeros, not 0/0
     "rand_like": lambda x: x * torch.rand_like(x),  # global draws, this rank's part: no gather, no repetition
     "randn_like": lambda x: x + torch.randn_like(x, dtype=torch.float64),
     "randint_like": lambda x: x * torch.randint_like(x, 0, 5),
