@@ -37,6 +37,8 @@ def test_a_call_torch_rejects_raises_torch_error():
     x = torch.randn(2, 3)
     with pytest.raises(TypeError, match="invalid combination of arguments"):
         Binding(torch.var).bind((x, "a"), {})
+    with pytest.raises(TypeError, match=r"argument .dim. \(position 2\) must be int, not bool"):
+        Binding(torch.softmax).bind((x, True), {})  # a bool is not a dim
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         Binding(F.interpolate).bind((x,), {"bogus": 2})
 

@@ -156,7 +156,6 @@ LOCAL: frozenset[Callable] = frozenset(
                 "is_neg",
                 "dim_order",
                 "result_type",
-                "can_cast",
                 "__dlpack_device__",
                 "backward",
                 "register_hook",
