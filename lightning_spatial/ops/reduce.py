@@ -19,6 +19,7 @@ from ..collectives import across, across_detached
 from ..layout import Layout
 from ..tensor import SpatialTensor, fallback, localize, unwrap, wrap
 from ._binding import bound
+from .elementwise import elementwise
 
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
@@ -168,6 +169,77 @@ def _softmax(log: bool):
     return softmax
 
 
+_LAST = torch.iinfo(torch.int64).max
+
+
+def _first_extreme(values: torch.Tensor, where: torch.Tensor, shards, kind: str):
+    """Across ranks: the extreme of each rank's candidate ``values`` and the smallest global index ``where``
+    that holds it (torch picks the first occurrence)."""
+    best = across_detached(values, shards, MAX if kind == "max" else MIN)
+    return best, across_detached(torch.where(values == best, where, _LAST), shards, MIN)
+
+
+def _extreme_along(x: torch.Tensor, layout, dim: int, kind: str):
+    """max/min along one dim: values (gradient to the chosen element only, as torch's) and global indices."""
+    dims = normalize_dims(dim, x.dim())
+    s = layout.get(dims[0])
+    local_values, local_index = getattr(torch, kind)(x, dims[0], keepdim=True)
+    if s is None:  # an unsharded dim: torch's op on the shard
+        return local_values, local_index, dims
+    _, index = _first_extreme(local_values.detach(), local_index + s.start, [s], kind)
+    mine = (index >= s.start) & (index < s.stop)
+    picked = x.gather(dims[0], (index - s.start).clamp(0, x.shape[dims[0]] - 1))
+    return across(torch.where(mine, picked, torch.zeros_like(picked)), [s]), index, dims
+
+
+def _needs_fallback(layout, dims) -> bool:
+    return any(s.merged for s in layout.shards if s.dim in dims)  # token dims: indices need the factors
+
+
+def _extreme(kind: str):
+    """``torch.max``/``min``: of everything (as ``amax``), along a dim (values and global indices), or of two
+    tensors (element-wise)."""
+    everything, pair = _reduction(f"a{kind}"), elementwise(getattr(torch, kind))
+
+    def extreme(input, dim=None, keepdim=False, other=None):
+        if other is not None:
+            return pair(input, other)
+        if dim is None:
+            return everything(input)
+        x, layout = unwrap(input)
+        if _needs_fallback(layout, normalize_dims(dim, x.dim())):
+            return fallback(getattr(torch, kind), (input, dim, keepdim), {})
+        values, index, dims = _extreme_along(x, layout, dim, kind)
+        return getattr(torch.return_types, kind)(tuple(_finish(t, dims, keepdim, layout) for t in (values, index)))
+
+    extreme.__name__ = kind
+    return extreme
+
+
+def _arg_extreme(kind: str):
+    """``argmax``/``argmin``: global indices along a dim, or into the flattened global tensor."""
+
+    def arg(input, dim=None, keepdim=False):
+        x, layout = unwrap(input)
+        dims = normalize_dims(dim, x.dim())
+        if _needs_fallback(layout, dims):
+            return fallback(getattr(torch, f"arg{kind}"), (input, dim, keepdim), {})
+        if dim is not None:
+            return _finish(_extreme_along(x, layout, dim, kind)[1], dims, keepdim, layout)
+        flat = getattr(torch, f"arg{kind}")(x)
+        coords = [
+            c + (layout.get(d - x.dim()).start if layout.get(d - x.dim()) else 0)
+            for d, c in enumerate(torch.unravel_index(flat, x.shape))
+        ]
+        shape = layout.global_shape(x)
+        where = sum(c * math.prod(shape[d + 1 :]) for d, c in enumerate(coords))
+        _, index = _first_extreme(x.flatten()[flat].reshape(1), where.reshape(1), layout.shards, kind)
+        return index.reshape([1] * x.dim() if keepdim else [])
+
+    arg.__name__ = f"arg{kind}"
+    return arg
+
+
 def _logical(kind: str):
     """all, any: the local answer, then one all-reduce (MIN for all, MAX for any) over the reduced axes."""
 
@@ -226,6 +298,9 @@ def _registrations() -> dict:
         handlers |= bound(_moments(kind), getattr(torch, kind), getattr(torch.Tensor, kind))
     for kind in ("all", "any"):
         handlers |= bound(_logical(kind), getattr(torch, kind), getattr(torch.Tensor, kind))
+    for kind in ("max", "min"):
+        handlers |= bound(_extreme(kind), getattr(torch, kind), getattr(torch.Tensor, kind))
+        handlers |= bound(_arg_extreme(kind), getattr(torch, f"arg{kind}"), getattr(torch.Tensor, f"arg{kind}"))
     handlers |= bound(norm, torch.norm, torch.Tensor.norm)
     handlers |= bound(vector_norm, torch.linalg.vector_norm)
     handlers |= bound(logsumexp, torch.logsumexp, torch.Tensor.logsumexp)

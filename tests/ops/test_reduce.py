@@ -41,6 +41,15 @@ OPS = {
     "vector_norm_0": lambda x: torch.linalg.vector_norm(x, 0, dim=(-1, -2)),  # a (zero) gradient, as torch's
     "all_finite": lambda x: torch.isfinite(x).all(),
     "any_w": lambda x: (x > 1).any(-1),
+    "max_w": lambda x: x.max(-1),  # values (gradient to the chosen element) and global indices
+    "min_h_keepdim": lambda x: torch.min(x, 2, keepdim=True),
+    "max_channels": lambda x: x.max(1),
+    "max_all": lambda x: x.max(),
+    "max_pair": lambda x: torch.max(x, x * 0.5),
+    "argmax_w": lambda x: x.argmax(-1),
+    "argmin_all": lambda x: torch.argmin(x),
+    "argmax_channels": lambda x: x.argmax(1),
+    "argmax_all_keepdim": lambda x: x.argmax(keepdim=True),
 }
 
 
