@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,9 +32,10 @@ class _Overload:
     positional: int  # how many leading parameters may be passed positionally
     defaults: dict[str, Any]
     checks: dict[str, Callable[[Any], bool]]  # builtins only: the parser's type test per parameter
+    position: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_position", {n: i for i, n in enumerate(self.names)})
+        object.__setattr__(self, "position", {n: i for i, n in enumerate(self.names)})
 
     def bind(self, args: tuple, kwargs: dict, check: bool = True) -> dict[str, Any] | None:
         """The arguments by name, or ``None`` if the call does not fit (``check``: also test the types)."""
@@ -44,7 +45,7 @@ class _Overload:
         out.update(zip(self.names, args))
         for key, value in kwargs.items():
             key = _ALIASES.get(key, key) if self.checks else key
-            if self._position.get(key, -1) < len(args):  # unknown, or also given positionally
+            if self.position.get(key, -1) < len(args):  # unknown, or also given positionally
                 return None
             out[key] = value
         if len(out) < len(self.names):  # a required parameter is missing
