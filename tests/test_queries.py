@@ -84,6 +84,8 @@ def test_conversions_and_factories_need_no_communication():
     for like in (torch.zeros_like(x), torch.full_like(x, 2.0), x.long(), x.bool(), x.to(torch.float32)):
         assert isinstance(like, SpatialTensor) and like.shape == (2, 3, 4, 10)
         assert like.to_local().shape == (2, 3, 4, 5)
+    noise = torch.randn_like(x, requires_grad=True)  # a global draw needs no message either
+    assert isinstance(noise, SpatialTensor) and noise.is_leaf and noise.requires_grad
 
 
 def test_saving_a_spatial_tensor_is_refused_with_what_to_save():

@@ -63,9 +63,9 @@ def _draw(func: Callable, x: torch.Tensor, layout, *args, **kwargs) -> torch.Ten
 def _random_like(func: Callable) -> Callable:
     """``torch.rand_like(x)`` & co: the draw one device would make, sharded like ``x``."""
 
-    def like(input, *args, **kwargs):
+    def like(input, *args, requires_grad=False, **kwargs):
         x, layout = unwrap(input)
-        return wrap(_draw(func, x, layout, *args, **kwargs), layout)
+        return wrap(_draw(func, x, layout, *args, **kwargs), layout).requires_grad_(requires_grad)  # a leaf
 
     return like
 
