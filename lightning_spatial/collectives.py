@@ -64,6 +64,14 @@ def across_detached(x: torch.Tensor, axes: Iterable, op=dist.ReduceOp.SUM) -> to
     return x
 
 
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    """channels_last(_3d) for a tensor laid out so (that is how its ``stride()`` describes the global tensor)."""
+    for fmt, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if x.dim() == ndim and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
+            return fmt
+    return torch.contiguous_format
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
@@ -76,7 +84,7 @@ class _AllGather(torch.autograd.Function):
             pad_shape = list(x.shape)
             pad_shape[dim] = longest - x.shape[dim]
             padded = torch.cat([x, x.new_zeros(pad_shape)], dim)
-        padded = padded.contiguous()
+        padded = padded.contiguous(memory_format=_memory_format(x))  # the full tensor keeps x's memory format
         pieces = [torch.empty_like(padded) for _ in range(parts)]
         dist.all_gather(pieces, padded, group=group)
         return torch.cat([p.narrow(dim, 0, b - a) for p, (a, b) in zip(pieces, bounds)], dim)

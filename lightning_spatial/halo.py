@@ -86,7 +86,7 @@ def _shape(x: torch.Tensor, dim: int, length: int) -> list[int]:
     return shape
 
 
-def _empty_as(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+def empty_as(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
     """An uninitialised tensor of ``shape`` laid out in memory like ``x`` (e.g. channels_last stays
     channels_last: cuDNN's depthwise kernels need it, the native NCHW ones are several times slower)."""
     order = sorted(range(x.dim()), key=lambda d: x.stride(d), reverse=True)  # outermost dim first
@@ -118,7 +118,7 @@ class _FetchWindow(torch.autograd.Function):
         recvs = [(j, x.new_empty(_shape(x, dim, count))) for j, _, count in plan.recvs]
         _count_sent(sends)
         _p2p(shard.axis, sends, recvs)
-        out = _empty_as(x, _shape(x, dim, plan.length))
+        out = empty_as(x, _shape(x, dim, plan.length))
         if isinstance(plan.fill, range):  # only the padding positions get the fill value
             _select(out, dim, plan.fill).fill_(fill)
         elif plan.fill is not None:
@@ -143,7 +143,7 @@ class _FetchWindow(torch.autograd.Function):
             # the window holds all our rows in order (a conv halo): one copy instead of zero-fill + add
             grad_x = _select(grad, dim, plan.local[0]).clone(memory_format=torch.preserve_format)
         else:
-            grad_x = _empty_as(grad, list(ctx.local_shape)).zero_()
+            grad_x = empty_as(grad, list(ctx.local_shape)).zero_()
             if plan.local is not None:
                 _add(grad_x, dim, plan.local[1], _select(grad, dim, plan.local[0]))
         for (_, rows), (_, buf) in zip(plan.sends, recvs):
@@ -200,4 +200,4 @@ def fetch_window(
     return _FetchWindow.apply(x, plan, shard.dim, shard, fill)
 
 
-__all__ = ["HaloStats", "fetch_window"]
+__all__ = ["HaloStats", "empty_as", "fetch_window"]

@@ -17,9 +17,11 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .collectives import all_gather
@@ -43,6 +45,13 @@ class SpatialTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:  # local: printing must not communicate
         return f"SpatialTensor(layout=[{self._layout.describe()}], local={self.to_local()!r})"
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a SpatialTensor holds one rank's shard; a file of it (torch.save, pickle) could not be loaded without "
+            "its process group. Save lightning_spatial.gather(x) (call it on every rank of the group), or "
+            "x.to_local() for this rank's shard alone"
+        )
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         handler = HANDLERS.get(func)
@@ -50,6 +59,18 @@ class SpatialTensor(torch.Tensor):
             return handler(*args, **(kwargs or {}))
         return fallback(func, args, kwargs or {})
 
+
+def _rebuild(rebuild: Callable, args: tuple, layout: Layout) -> SpatialTensor:
+    return wrap(rebuild(*args), layout)
+
+
+def _reduce_for_worker(x: SpatialTensor):
+    """DataLoader workers send batches of shards through shared memory, as torch sends any tensor; an ``Axis``
+    finds its process group again by its ranks in the receiving process."""
+    return _rebuild, (*reduce_tensor(x.to_local()), x._layout)
+
+
+ForkingPickler.register(SpatialTensor, _reduce_for_worker)
 
 # Handlers by torch function; filled explicitly by ``ops.install()``.
 HANDLERS: dict[Callable, Callable] = {}
@@ -152,22 +173,31 @@ class SpatialFallbackWarning(UserWarning):
 
 FallbackMode = Literal["warn", "error", "silent"]
 _mode: FallbackMode = "warn"
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()  # (op, module) pairs announced in "warn" mode
 # Module paths by id(module), registered by the strategy: a fallback names the layer it happened in.
 module_names: dict[int, str] = {}
+_OURS = (__file__.rsplit("/", 1)[0], torch.__file__.rsplit("/", 1)[0])  # frames a warning should not point at
 
 
-@contextmanager
-def fallback_mode(mode: FallbackMode) -> Iterator[None]:
-    """``"warn"`` once per op (default), ``"error"`` raises instead of gathering, ``"silent"`` gathers quietly."""
+def set_fallback_mode(mode: FallbackMode) -> FallbackMode:
+    """What an op without a spatial handler does from now on; returns the previous mode. ``"warn"``: gather
+    and warn once per op and module (a ``SpatialFallbackWarning``); ``"error"``: raise before any
+    communication; ``"silent"``: gather quietly. A process-wide setting, as the strategy's ``fallback=``."""
     global _mode
     if mode not in ("warn", "error", "silent"):
         raise ValueError(f"fallback must be 'warn', 'error' or 'silent', got {mode!r}")
     previous, _mode = _mode, mode
+    return previous
+
+
+@contextmanager
+def fallback_mode(mode: FallbackMode) -> Iterator[None]:
+    """``set_fallback_mode`` for a block of code."""
+    previous = set_fallback_mode(mode)
     try:
         yield
     finally:
-        _mode = previous
+        set_fallback_mode(previous)
 
 
 def _where() -> str:
@@ -181,22 +211,50 @@ def _where() -> str:
     return ""
 
 
+def _caller_level() -> int:
+    """``stacklevel`` of the first frame outside lightning_spatial and torch: the user's line that ran the op."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_OURS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}"
+
+
 def _announce(func: Callable, operands: list[SpatialTensor]) -> None:
+    """Name the op, the layer and the bytes a fallback gathers: a warning (once per op and layer) or, in
+    ``"error"`` mode, an error raised before any communication."""
     if _mode == "silent":
         return
-    name = name_of(func)
-    gathered = sum(_global_bytes(t) for t in operands)
-    message = (
-        f"lightning_spatial: {name}{_where()} has no spatial handler; gathering {gathered / 2**20:.2f} MiB "
-        f"({len(operands)} sharded operand(s)) on every rank, running it on full tensors and resharding the "
-        "result. Exact, but it costs memory and communication: use an op with a spatial handler (docs/ops.md), "
-        "or gather explicitly where the full tensor is meant"
+    name, where = name_of(func), _where()
+    if _mode == "warn" and (name, where) in _warned:
+        return
+    gathered = _size(sum(_global_bytes(t) for t in operands))
+    count = f"{len(operands)} sharded operand{'s' if len(operands) > 1 else ''}"
+    avoid = (
+        "Exact, but it costs memory and communication. To avoid it use an op with a spatial handler (docs/ops.md), "
+        "or call lightning_spatial.gather(x) where the full tensor is meant"
     )
     if _mode == "error":
-        raise LayoutError(message.replace("gathering", "would gather"))
-    if name not in _warned:
-        _warned.add(name)
-        warnings.warn(message, SpatialFallbackWarning, stacklevel=4)
+        raise LayoutError(
+            f"lightning_spatial: {name}{where} has no spatial handler, and fallbacks are errors (fallback_mode "
+            f"'error'): it would gather {gathered} ({count}) on every rank and run on the full tensors. {avoid}"
+        )
+    warnings.warn(
+        f"lightning_spatial: {name}{where} has no spatial handler; gathering {gathered} ({count}) on every rank, "
+        f"running it on the full tensors and resharding the result. {avoid}; fallback_mode('error') or "
+        "warnings.filterwarnings('error', category=SpatialFallbackWarning) makes it an error",
+        SpatialFallbackWarning,
+        stacklevel=_caller_level(),
+    )
+    _warned.add((name, where))  # only once announced: a filter that raised leaves the next call to raise too
 
 
 def _global_bytes(t: SpatialTensor) -> int:
@@ -209,19 +267,22 @@ def fallback(func, args, kwargs):
     """Exact but slow: gather every sharded operand, run ``func`` on full tensors, reshard the results.
 
     A result with the global shape of the first sharded operand is sharded like it; anything else is
-    replicated (every rank computed the same value). In-place ops write the local part back.
+    replicated (every rank computed the same value). An op that writes into a tensor (in place, ``out=``)
+    writes its local part back into a sharded target, and the whole of a replicated one.
     """
     flat, _ = tree_flatten((args, kwargs))
     operands = [t for t in flat if isinstance(t, SpatialTensor)]
     layout, shape = operands[0]._layout, operands[0]._layout.global_shape(operands[0].to_local())
     _announce(func, operands)
     full_args, full_kwargs = tree_map(lambda t: gather(t) if isinstance(t, SpatialTensor) else t, (args, kwargs))
+    target, full_target = (args[0], full_args[0]) if is_inplace(func) else (kwargs.get("out"), full_kwargs.get("out"))
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*full_args, **full_kwargs)
-        if is_inplace(func) and isinstance(args[0], SpatialTensor):
-            target = args[0]
-            target.copy_(target._layout.take_local(full_args[0]))
+        if isinstance(target, SpatialTensor):
+            target.copy_(target._layout.take_local(full_target))
             return target
+    if isinstance(target, torch.Tensor):  # a replicated target was written whole
+        return target
 
     def reshard(o):
         if isinstance(o, torch.Tensor) and o.shape == shape:
@@ -231,12 +292,31 @@ def fallback(func, args, kwargs):
     return tree_map(reshard, out)
 
 
+# Where torch's builtins live -> where users call them from.
+_PUBLIC = {
+    "torch._C._nn": "torch.nn.functional",
+    "torch._C._linalg": "torch.linalg",
+    "torch._C._special": "torch.special",
+    "torch._C._fft": "torch.fft",
+    "torch.functional": "torch",
+}
+
+
 def name_of(func: Callable) -> str:
+    """The name a user calls ``func`` by: ``torch.flip``, ``Tensor.sum``, ``torch.linalg.vector_norm``, ``Tensor.T``."""
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":  # a property's getter or setter
+        return f"Tensor.{owner.__name__}" + (" (assignment)" if func.__name__ == "__set__" else "")
     qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     module = getattr(func, "__module__", None) or ""
-    if qual.startswith("_TensorBase.") or qual.startswith("TensorBase."):
-        qual = "Tensor." + qual.split(".", 1)[1]
-    return f"{module}.{qual}" if module and not qual.startswith("Tensor.") else qual
+    if qual.startswith(("_TensorBase.", "TensorBase.")):
+        return "Tensor." + qual.split(".", 1)[1]
+    if qual.startswith("_VariableFunctionsClass."):
+        return "torch." + qual.split(".", 1)[1]
+    if module in _PUBLIC:
+        public = _PUBLIC[module]
+        return f"{public}.{qual.removeprefix(public.rsplit('.', 1)[-1] + '_')}"
+    return f"{module}.{qual}" if module else qual
 
 
 def is_inplace(func: Callable) -> bool:
@@ -257,6 +337,7 @@ __all__ = [
     "fallback_mode",
     "gather",
     "localize",
+    "set_fallback_mode",
     "shard",
     "unwrap",
     "wrap",

@@ -7,8 +7,20 @@ import warnings
 import pytest
 import torch
 
-from lightning_spatial import Axis, SpatialTensor, fetch_window, gather, shard
+from lightning_spatial import (
+    Axis,
+    DimShard,
+    Layout,
+    LayoutError,
+    SpatialFallbackWarning,
+    SpatialTensor,
+    fallback_mode,
+    fetch_window,
+    gather,
+    shard,
+)
 from lightning_spatial.layout import partition, source_index
+from lightning_spatial.tensor import _warned, module_names, wrap
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
@@ -126,3 +138,69 @@ def _double_backward_case():
 
 def test_second_derivative_through_communication_is_refused():
     run_spmd(_double_backward_case, 2)
+
+
+def _inplace_case(layout):
+    """An in-place op (or ``out=``) on a replicated tensor with a sharded operand writes all of it, on every rank."""
+    torch.manual_seed(6)
+    full, plain = torch.randn(2, 3, 6, 11), torch.randn(2, 3, 6, 11)
+    x = shard(full, axes(layout))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SpatialFallbackWarning)
+        y = plain.clone()
+        assert y.add_(x) is y and torch.equal(y, plain + full)
+        y = plain.clone()
+        y *= x
+        assert type(y) is torch.Tensor and torch.equal(y, plain * full)
+        y = torch.empty_like(plain)
+        torch.mul(x, 2.0, out=y)
+        assert torch.equal(y, full * 2)
+    z = shard(plain, axes(layout))  # a sharded target takes the replicated source's part, no gather
+    z.copy_(full)
+    assert torch.equal(gather(z), full)
+
+
+@pytest.mark.parametrize("layout", ["w3", "2x2"])
+def test_inplace_ops_on_replicated_tensors_write_the_whole_tensor(layout):
+    run_spmd(_inplace_case, LAYOUTS[layout][0], layout)
+
+
+class _Block(torch.nn.Module):
+    def forward(self, x):
+        return torch.flip(x, [-1])
+
+
+def _orphan(local_shape, global_width):
+    """A shard over an axis without a process group here: an attempt to communicate raises RuntimeError."""
+    return wrap(torch.randn(local_shape), Layout((DimShard(-1, Axis((0, 1), 0), global_width),)))
+
+
+def test_fallback_is_announced_before_any_communication_with_op_module_and_bytes():
+    x = _orphan((1, 4, 128, 512), 1024)  # global 1 x 4 x 128 x 1024 float32: 2 MiB
+    block = _Block()
+    module_names[id(block)] = "backbone.stage1"
+    _warned.clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", category=SpatialFallbackWarning)
+            for _ in range(2):  # raised, so not marked as announced: the filter raises again
+                with pytest.raises(SpatialFallbackWarning) as caught:
+                    block(x)
+        message = str(caught.value)
+        assert "torch.flip in module 'backbone.stage1' (_Block)" in message
+        assert "gathering 2.00 MiB (1 sharded operand)" in message and "docs/ops.md" in message
+        with fallback_mode("error"), pytest.raises(LayoutError, match=r"torch.flip in module .* would gather 2.00 MiB"):
+            block(x)
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            for _ in range(2):  # "warn": announced once per op and module, then it gathers (no group: raises)
+                with pytest.raises(RuntimeError, match="no process group"):
+                    block(x)
+            with pytest.raises(RuntimeError, match="no process group"):
+                torch.flip(x, [-1])  # outside the module: announced again, without a module
+            with fallback_mode("silent"), pytest.raises(RuntimeError, match="no process group"):
+                torch.cumsum(x, -1)
+        assert [w.category for w in records] == [SpatialFallbackWarning] * 2
+        assert "in module" not in str(records[1].message) and records[0].filename == __file__  # the user's line
+    finally:
+        del module_names[id(block)]

@@ -1,9 +1,9 @@
-"""What every spatial op handler shares: argument normalisation, checks, and the sliding-window fetch."""
+"""What the spatial op handlers share: argument normalisation, checks, output rows, and the window fetch."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._pytree import tree_map
@@ -59,37 +59,57 @@ def check_output_size(op: str, shard: DimShard, out_size: int) -> None:
         )
 
 
-Fetches = tuple[tuple[DimShard, tuple[tuple[int, int], ...]], ...]  # per sharded dim: every rank's window
+def output_sizes(op: str, shards: dict[int, DimShard], size: Callable[[int, DimShard], int]) -> dict[int, int]:
+    """Every sharded spatial dim's global output size ``size(i, shard)``, checked before any communication."""
+    out = {i: size(i, s) for i, s in shards.items()}
+    for i, s in shards.items():
+        check_output_size(op, s, out[i])
+    return out
 
 
-def window_plan(
-    shards: dict[int, DimShard], out_sizes: dict[int, int], window: Callable[[int, int, int], tuple[int, int]]
-) -> Fetches:
-    """For each sharded spatial dim ``i``, the input rows ``window(i, lo, hi)`` that produce every rank's
-    output rows ``[lo, hi)`` (output partitioned by the rule)."""
-    return tuple(
-        (s, tuple(window(i, lo, hi) for lo, hi in partition(out_sizes[i], s.axis.size))) for i, s in shards.items()
-    )
+def output_rows(shard: DimShard, out_size: int) -> tuple[int, int]:
+    """This rank's rows ``[lo, hi)`` of an output dim of global size ``out_size`` (the partition rule)."""
+    return partition(out_size, shard.axis.size)[shard.axis.index]
 
 
-def fetch_planned(x: torch.Tensor, fetches: Fetches, mode: str = "zeros", fill: float = 0.0) -> torch.Tensor:
-    """Fetch the windows of ``window_plan`` one dim after the other, so 2-D tiles receive their corners
-    from the already widened tensor."""
-    for s, windows in fetches:
-        x = fetch_window(x, s, windows, mode, fill)
-    return x
+def local_padding(padding: Sequence[int], shards: dict[int, DimShard]) -> list[int]:
+    """The padding the local op applies: none along sharded dims, whose fetched windows already hold it."""
+    return [0 if i in shards else p for i, p in enumerate(padding)]
 
 
-def fetch_windows(
-    x: torch.Tensor,
-    shards: dict[int, DimShard],
-    out_sizes: dict[int, int],
-    window: Callable[[int, int, int], tuple[int, int]],
-    mode: str = "zeros",
-    fill: float = 0.0,
-) -> torch.Tensor:
-    """``fetch_planned`` of ``window_plan``: the sliding-window fetch of one op call."""
-    return fetch_planned(x, window_plan(shards, out_sizes, window), mode, fill)
+@dataclass(frozen=True)
+class Windows:
+    """Every rank's input window ``[a, b)`` along each sharded spatial dim of one op call: the rows that
+    produce its output rows (outputs partitioned by the rule). Ops that call often cache it."""
+
+    dims: tuple[tuple[int, DimShard, tuple[tuple[int, int], ...]], ...]  # (spatial index, shard, every rank's)
+
+    @classmethod
+    def plan(
+        cls,
+        shards: dict[int, DimShard],
+        out_sizes: dict[int, int],
+        window: Callable[[int, int, int], tuple[int, int]],
+    ) -> Windows:
+        """``window(i, lo, hi)``: the input rows along spatial dim ``i`` that produce output rows ``[lo, hi)``."""
+        return cls(
+            tuple(
+                (i, s, tuple(window(i, lo, hi) for lo, hi in partition(out_sizes[i], s.axis.size)))
+                for i, s in shards.items()
+            )
+        )
+
+    def start(self, i: int) -> int:
+        """Where this rank's window along spatial dim ``i`` starts (global row)."""
+        s, windows = next((s, w) for j, s, w in self.dims if j == i)
+        return windows[s.axis.index][0]
+
+    def fetch(self, x: torch.Tensor, mode: str = "zeros", fill: float = 0.0) -> torch.Tensor:
+        """This rank's windows, one dim after the other, so 2-D tiles receive their corners from the
+        already widened tensor."""
+        for _, s, windows in self.dims:
+            x = fetch_window(x, s, windows, mode, fill)
+        return x
 
 
 def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:

@@ -12,18 +12,18 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..layout import Layout, conv_out_size, conv_window, partition, transposed_window
+from ..layout import Layout, conv_out_size, conv_window, transposed_window
 from ..tensor import unwrap, wrap
+from ._binding import bound
 from ._common import (
-    Fetches,
-    check_output_size,
-    fetch_planned,
-    fetch_windows,
+    Windows,
+    local_padding,
     ntuple,
     output_layout,
+    output_rows,
+    output_sizes,
     require_replicated,
     spatial_shards,
-    window_plan,
 )
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -54,7 +54,7 @@ def _conv_padding(padding, kernel, stride, dilation, nd, op) -> tuple[tuple[int,
 
 @dataclass(frozen=True)
 class _ConvPlan:
-    fetches: Fetches
+    windows: Windows
     pad: tuple[int, ...] | None  # F.pad of an asymmetric 'same' padding on an unsharded dim
     padding: tuple[int, ...]  # the local convolution's padding
     layout: Layout | None  # the output's
@@ -65,21 +65,18 @@ def _conv_plan(op, nd, layout: Layout, shards, kernel, stride, dilation, padding
     """Windows and local padding of one convolution call, built once per layout and arguments."""
     shards = dict(shards)
     lo, hi = _conv_padding(padding, kernel, stride, dilation, nd, op)
-    out_sizes = {i: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i]) for i, s in shards.items()}
-    for i, s in shards.items():
-        check_output_size(op, s, out_sizes[i])
-
-    def window(i: int, a: int, b: int) -> tuple[int, int]:
-        return conv_window(a, b, kernel[i], stride[i], lo[i], dilation[i])
-
-    fetches = window_plan(shards, out_sizes, window)
-    local_lo = [0 if i in shards else lo[i] for i in range(nd)]
-    local_hi = [0 if i in shards else hi[i] for i in range(nd)]
+    out_sizes = output_sizes(
+        op, shards, lambda i, s: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i])
+    )
+    windows = Windows.plan(
+        shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], lo[i], dilation[i])
+    )
+    local_lo, local_hi = local_padding(lo, shards), local_padding(hi, shards)
     pad = None
     if local_lo != local_hi:  # asymmetric 'same' padding on an unsharded dim
         pad = tuple(p for i in reversed(range(nd)) for p in (local_lo[i], local_hi[i]))
         local_lo = [0] * nd
-    return _ConvPlan(fetches, pad, tuple(local_lo), output_layout(layout, shards, out_sizes))
+    return _ConvPlan(windows, pad, tuple(local_lo), output_layout(layout, shards, out_sizes))
 
 
 def _convolution(nd: int):
@@ -92,8 +89,7 @@ def _convolution(nd: int):
         padding = padding if isinstance(padding, str) else ntuple(padding, nd, "padding")
         shards = tuple(spatial_shards(op, x, layout, nd).items())
         plan = _conv_plan(op, nd, layout, shards, tuple(weight.shape[2:]), stride, dilation, padding)
-        x = autocast_input(x)
-        x = fetch_planned(x, plan.fetches)
+        x = plan.windows.fetch(autocast_input(x))
         if plan.pad is not None:
             x = F.pad(x, plan.pad)
         return wrap(_CONV[nd](x, weight, bias, stride, plan.padding, dilation, groups), plan.layout)
@@ -112,24 +108,23 @@ def _transposed(nd: int):
         stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
         padding, output_padding = ntuple(padding, nd, "padding"), ntuple(output_padding, nd, "output_padding")
         shards = spatial_shards(op, x, layout, nd)
-        out_sizes = {}
-        for i, s in shards.items():
+        for i in shards:
             if output_padding[i] >= max(stride[i], dilation[i]):
                 raise ValueError(f"{op}: output_padding {output_padding[i]} must be smaller than stride or dilation")
-            reach = dilation[i] * (kernel[i] - 1)
-            out_sizes[i] = (s.size - 1) * stride[i] - 2 * padding[i] + reach + output_padding[i] + 1
-            check_output_size(op, s, out_sizes[i])
 
-        def window(i, a, b):
-            return transposed_window(a, b, kernel[i], stride[i], padding[i], dilation[i])
+        def out_size(i, s):
+            return (s.size - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + output_padding[i] + 1
 
-        x = fetch_windows(autocast_input(x), shards, out_sizes, window)
-        local_pad = [0 if i in shards else padding[i] for i in range(nd)]
-        local_out_pad = [0 if i in shards else output_padding[i] for i in range(nd)]
-        out = _CONV_T[nd](x, weight, None, stride, local_pad, local_out_pad, groups, dilation)
+        out_sizes = output_sizes(op, shards, out_size)
+        windows = Windows.plan(
+            shards, out_sizes, lambda i, a, b: transposed_window(a, b, kernel[i], stride[i], padding[i], dilation[i])
+        )
+        x = windows.fetch(autocast_input(x))
+        pads = local_padding(padding, shards), local_padding(output_padding, shards)
+        out = _CONV_T[nd](x, weight, None, stride, *pads, groups, dilation)
         for i, s in shards.items():  # cut this rank's output rows out of the window's result
-            lo, hi = partition(out_sizes[i], s.axis.size)[s.axis.index]
-            first = window(i, lo, hi)[0] * stride[i] - padding[i]
+            lo, hi = output_rows(s, out_sizes[i])
+            first = windows.start(i) * stride[i] - padding[i]
             out = out.narrow(i - nd, lo - first, hi - lo)
         if bias is not None:
             out = out + bias.view(-1, *([1] * nd))
@@ -139,9 +134,13 @@ def _transposed(nd: int):
     return conv_transpose
 
 
-HANDLERS = {
-    **{_CONV[nd]: _convolution(nd) for nd in (1, 2, 3)},
-    **{_CONV_T[nd]: _transposed(nd) for nd in (1, 2, 3)},
-}
+def _registrations() -> dict:
+    handlers = {}
+    for nd in (1, 2, 3):
+        handlers |= bound(_convolution(nd), _CONV[nd]) | bound(_transposed(nd), _CONV_T[nd])
+    return handlers
+
+
+HANDLERS = _registrations()
 
 __all__ = ["HANDLERS"]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from ..tensor import SpatialTensor, common_layout, fallback, localize, unwrap, wrap
+from ..tensor import SpatialTensor, common_layout, fallback, is_inplace, localize, unwrap, wrap
 
 
 def _pointwise_names() -> set[str]:
@@ -76,7 +76,8 @@ POINTWISE: frozenset[Callable] = frozenset(
     | functions(_ACTIVATIONS, (torch.nn.functional,))
 )
 
-# Results keep the operand's layout although aten does not tag these pointwise.
+# Results keep the operand's layout although aten does not tag these pointwise (casts, views of the same
+# elements, composites of pointwise ops, fills, copies, ``*_like`` factories).
 LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
     functions(
         [
@@ -87,11 +88,34 @@ LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
             "double",
             "half",
             "bfloat16",
+            "long",
+            "int",
+            "short",
+            "bool",
+            "char",
+            "byte",
+            "cfloat",
+            "cdouble",
             "cpu",
             "cuda",
             "pin_memory",
+            "share_memory_",
+            "conj",
+            "resolve_conj",
+            "resolve_neg",
+            "negative",
+            "negative_",
+            "real",
+            "imag",
+            "isreal",
+            "isclose",
+            "float_power",
+            "float_power_",
+            "complex",
+            "polar",
             "zero_",
             "fill_",
+            "copy_",
             "requires_grad_",
             "zeros_like",
             "ones_like",
@@ -105,9 +129,17 @@ LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
 
 
 def elementwise(func: Callable) -> Callable:
-    """``func`` on the local shards, replicated operands localized; results keep the common layout."""
+    """``func`` on the local shards, replicated operands localized; results keep the common layout.
+
+    An in-place op on a *replicated* tensor (``y.add_(x)``, ``out=y``) with a sharded operand must write the
+    whole of ``y`` on every rank, so it takes the exact fallback rather than updating this rank's rows."""
+    inplace = is_inplace(func)
 
     def run(*args, **kwargs):
+        if (inplace and not isinstance(args[0], SpatialTensor)) or (
+            kwargs and isinstance(kwargs.get("out"), torch.Tensor) and not isinstance(kwargs["out"], SpatialTensor)
+        ):
+            return fallback(func, args, kwargs)
         layout = common_layout(func, [*args, *kwargs.values()])
         args = [localize(func, a, layout) for a in args]
         if kwargs:

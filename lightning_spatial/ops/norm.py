@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ..collectives import across
 from ..layout import Axis
 from ..tensor import localize, unwrap, wrap
+from ._binding import bound
 from ._common import spatial_shards
 
 _data_axis: ContextVar[Axis | None] = ContextVar("batch_norm_data_axis", default=None)
@@ -123,11 +124,11 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return wrap(out, layout)
 
 
-HANDLERS = {
-    F.batch_norm: batch_norm,
-    F.group_norm: group_norm,
-    F.instance_norm: instance_norm,
-    F.layer_norm: layer_norm,
-}
+HANDLERS = (
+    bound(batch_norm, F.batch_norm)
+    | bound(group_norm, F.group_norm)
+    | bound(instance_norm, F.instance_norm)
+    | bound(layer_norm, F.layer_norm)
+)
 
 __all__ = ["HANDLERS", "batch_norm_over"]

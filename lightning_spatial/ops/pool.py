@@ -22,7 +22,8 @@ from ..collectives import across_detached, all_reduce
 from ..halo import fetch_window
 from ..layout import DimShard, adaptive_bins, conv_window, partition, pool_out_size
 from ..tensor import unwrap, wrap
-from ._common import check_output_size, fetch_windows, ntuple, output_layout, spatial_shards
+from ._binding import bound
+from ._common import Windows, local_padding, ntuple, output_layout, output_rows, output_sizes, spatial_shards
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
@@ -62,25 +63,19 @@ def _max_pool(nd: int):
         padding, dilation = ntuple(padding, nd, "padding"), ntuple(dilation, nd, "dilation")
         shards = spatial_shards(op, x, layout, nd)
         _check_pad(op, [kernel[i] for i in shards], [padding[i] for i in shards])
-        out_sizes = {
-            i: pool_out_size(s.size, kernel[i], stride[i], padding[i], dilation[i], ceil_mode)
-            for i, s in shards.items()
-        }
-        for i, s in shards.items():
-            check_output_size(op, s, out_sizes[i])
-
-        def window(i, a, b):
-            return conv_window(a, b, kernel[i], stride[i], padding[i], dilation[i])
-
-        xw = fetch_windows(x, shards, out_sizes, window, fill=-math.inf)
-        local_pad = [0 if i in shards else padding[i] for i in range(nd)]
+        out_sizes = output_sizes(
+            op, shards, lambda i, s: pool_out_size(s.size, kernel[i], stride[i], padding[i], dilation[i], ceil_mode)
+        )
+        windows = Windows.plan(
+            shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], padding[i], dilation[i])
+        )
+        xw = windows.fetch(x, fill=-math.inf)
+        local_pad = local_padding(padding, shards)
         out, indices = _MAX[nd](xw, kernel, stride, local_pad, dilation, ceil_mode, return_indices=True)
         out_layout = output_layout(layout, shards, out_sizes)
         if not return_indices:
             return wrap(out, out_layout)
-        offsets = [0] * nd
-        for i, s in shards.items():
-            offsets[i] = window(i, *partition(out_sizes[i], s.axis.size)[s.axis.index])[0]
+        offsets = [windows.start(i) if i in shards else 0 for i in range(nd)]
         global_sizes = layout.global_shape(x)[-nd:]
         indices = _globalize(indices, xw.shape[-nd:], offsets, global_sizes)
         return wrap(out, out_layout), wrap(indices, out_layout)
@@ -113,13 +108,12 @@ def _avg_pool(nd: int):
         shards = spatial_shards(op, x, layout, nd)
         _check_pad(op, kernel, padding)
         global_sizes = layout.global_shape(x)[-nd:]
-        out_sizes = {
-            i: pool_out_size(s.size, kernel[i], stride[i], padding[i], 1, ceil_mode) for i, s in shards.items()
-        }
-        for i, s in shards.items():
-            check_output_size(op, s, out_sizes[i])
-        xw = fetch_windows(x, shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], padding[i]))
-        local_pad = [0 if i in shards else padding[i] for i in range(nd)]
+        out_sizes = output_sizes(
+            op, shards, lambda i, s: pool_out_size(s.size, kernel[i], stride[i], padding[i], 1, ceil_mode)
+        )
+        windows = Windows.plan(shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], padding[i]))
+        xw = windows.fetch(x)
+        local_pad = local_padding(padding, shards)
         if nd == 1:  # avg_pool1d has no divisor_override: pool a (1, L) plane instead
             total = F.avg_pool2d(
                 xw.unsqueeze(-2), (1, *kernel), (1, *stride), (0, *local_pad), ceil_mode, True, 1
@@ -132,11 +126,7 @@ def _avg_pool(nd: int):
         else:
             divisor = None
             for i in range(nd):
-                lo, hi = (
-                    partition(out_sizes[i], shards[i].axis.size)[shards[i].axis.index]
-                    if i in shards
-                    else (0, total.shape[i - nd])
-                )
+                lo, hi = output_rows(shards[i], out_sizes[i]) if i in shards else (0, total.shape[i - nd])
                 d = _divisor(
                     global_sizes[i],
                     lo,
@@ -265,12 +255,11 @@ def adaptive_pool(nd: int, kind: str):
     return adaptive
 
 
-def _always_indices(handler, positional: int):
-    """torch's ``*_with_indices`` entry points: same handler, indices returned."""
+def _with_indices(handler):
+    """torch's ``*_with_indices`` entry points: the same handler, indices always returned."""
 
-    def with_indices(*args, **kwargs):
-        kwargs.pop("return_indices", None)
-        return handler(*args[:positional], **kwargs, return_indices=True)
+    def with_indices(**arguments):
+        return handler(**{**arguments, "return_indices": True})
 
     return with_indices
 
@@ -280,15 +269,13 @@ def _registrations() -> dict:
     for nd in (1, 2, 3):
         max_pool, adaptive_max = _max_pool(nd), adaptive_pool(nd, "max")
         # F.max_pool2d is a boolean dispatcher that is itself a torch function, as are both its targets
-        handlers[getattr(F, f"max_pool{nd}d")] = max_pool
-        handlers[getattr(F, f"_max_pool{nd}d")] = max_pool
-        handlers[getattr(torch, f"max_pool{nd}d")] = max_pool
-        handlers[getattr(F, f"max_pool{nd}d_with_indices")] = _always_indices(max_pool, 6)
-        handlers[getattr(F, f"avg_pool{nd}d")] = _avg_pool(nd)
-        handlers[_ADAPTIVE_AVG[nd]] = adaptive_pool(nd, "avg")
-        handlers[getattr(F, f"adaptive_max_pool{nd}d")] = adaptive_max
-        handlers[getattr(F, f"_adaptive_max_pool{nd}d")] = adaptive_max
-        handlers[getattr(F, f"adaptive_max_pool{nd}d_with_indices")] = _always_indices(adaptive_max, 2)
+        handlers |= bound(max_pool, getattr(F, f"max_pool{nd}d"), getattr(F, f"_max_pool{nd}d"))
+        handlers |= bound(max_pool, getattr(torch, f"max_pool{nd}d"))
+        handlers |= bound(_with_indices(max_pool), getattr(F, f"max_pool{nd}d_with_indices"))
+        handlers |= bound(_avg_pool(nd), getattr(F, f"avg_pool{nd}d"))
+        handlers |= bound(adaptive_pool(nd, "avg"), _ADAPTIVE_AVG[nd])
+        handlers |= bound(adaptive_max, getattr(F, f"adaptive_max_pool{nd}d"), getattr(F, f"_adaptive_max_pool{nd}d"))
+        handlers |= bound(_with_indices(adaptive_max), getattr(F, f"adaptive_max_pool{nd}d_with_indices"))
     return handlers
 
 

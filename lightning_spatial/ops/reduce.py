@@ -13,20 +13,30 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..collectives import across, across_detached
 from ..layout import Layout
-from ..tensor import unwrap, wrap
+from ..tensor import SpatialTensor, fallback, localize, unwrap, wrap
+from ._binding import bound
+from .elementwise import elementwise
 
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 
 def normalize_dims(dim, ndim: int) -> tuple[int, ...]:
-    """Reduction dims as sorted negative ints; ``None`` or ``()`` means all dims."""
+    """Reduction dims as sorted negative ints; ``None`` or ``()`` means all dims. Bad dims raise torch's errors."""
     if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
         return tuple(range(-ndim, 0))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    return tuple(sorted({d - ndim if d >= 0 else d for d in dims}))
+    for d in dims:
+        if not -ndim <= d < ndim:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {d})")
+    out = [d - ndim if d >= 0 else d for d in dims]
+    for d in set(out):
+        if out.count(d) > 1:
+            raise RuntimeError(f"dim {d + ndim} appears multiple times in the list of dims")
+    return tuple(sorted(out))
 
 
 def reduced_layout(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> Layout | None:
@@ -66,20 +76,17 @@ def _count(layout: Layout, x: torch.Tensor, dims) -> int:
 
 
 def _reduction(kind: str):
-    """sum, mean, amax, amin: ``(input, dim=None, keepdim=False, *, dtype=None)``."""
+    """sum, mean, amax, amin."""
 
-    def reduce(input, dim=None, keepdim=False, *, dtype=None, out=None):
-        if out is not None:
-            raise ValueError(f"{kind}: out= is not supported on sharded tensors")
+    def reduce(input, dim=None, keepdim=False, dtype=None):
         x, layout, dims, shards = _operands(input, dim)
+        if kind == "mean" and dtype is None and not (x.is_floating_point() or x.is_complex()):
+            torch.mean(torch.empty(0, dtype=x.dtype, device="meta"))  # torch's own error for an integer mean
+        options = {"dtype": dtype} if dtype is not None else {}
         if not shards:  # only unsharded dims: torch's own op on the shard
-            return wrap(
-                getattr(torch, kind)(x, dims, keepdim, **({"dtype": dtype} if dtype else {})),
-                reduced_layout(layout, dims, keepdim),
-            )
+            return wrap(getattr(torch, kind)(x, dims, keepdim, **options), reduced_layout(layout, dims, keepdim))
         if kind in ("sum", "mean"):
-            local = x.sum(dims, keepdim=True, dtype=dtype)
-            total = across(local, shards)
+            total = across(x.sum(dims, keepdim=True, **options), shards)
             result = total if kind == "sum" else total / _count(layout, x, dims)
         else:
             local = x.amax(dims, keepdim=True) if kind == "amax" else x.amin(dims, keepdim=True)
@@ -93,11 +100,9 @@ def _reduction(kind: str):
 def _moments(kind: str):
     """var and std with torch's ``correction`` (or legacy ``unbiased``), two-pass for accuracy."""
 
-    def moment(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
-        if isinstance(unbiased, (int, tuple, list)) and not isinstance(unbiased, bool):
-            dim, unbiased = unbiased, None  # torch.var(x, dims) with dims positional after dim=None form
+    def moment(input, dim=None, unbiased=True, keepdim=False, correction=None):
         x, layout, dims, shards = _operands(input, dim)
-        correction = correction if correction is not None else (0 if unbiased is False else 1)
+        correction = (1 if unbiased else 0) if correction is None else correction
         if not shards:
             local = getattr(torch, kind)(x, dims, correction=correction, keepdim=keepdim)
             return wrap(local, reduced_layout(layout, dims, keepdim))
@@ -111,7 +116,7 @@ def _moments(kind: str):
     return moment
 
 
-def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
+def vector_norm(input, ord=2, dim=None, keepdim=False, dtype=None):
     x, layout, dims, shards = _operands(input, dim, dtype)
     if not shards:
         return wrap(torch.linalg.vector_norm(x, ord, dims, keepdim), reduced_layout(layout, dims, keepdim))
@@ -119,8 +124,8 @@ def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
         result = across(x.abs().amax(dims, keepdim=True), shards, MAX)
     elif ord == -math.inf:
         result = across(x.abs().amin(dims, keepdim=True), shards, MIN)
-    elif ord == 0:
-        result = across((x != 0).to(x.dtype).sum(dims, keepdim=True), shards)
+    elif ord == 0:  # the count of non-zeros; torch's own local op keeps its (zero) gradient in the graph
+        result = across(torch.linalg.vector_norm(x, 0, dims, keepdim=True), shards)
     elif ord == 2:
         result = across((x * x).sum(dims, keepdim=True), shards).sqrt()
     else:
@@ -146,7 +151,11 @@ def logsumexp(input, dim, keepdim=False):
 
 
 def _softmax(log: bool):
-    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+    name = "log_softmax" if log else "softmax"
+
+    def softmax(input, dim=None, dtype=None, _stacklevel=3):
+        if dim is None:  # F.softmax's legacy implicit dim, with torch's warning
+            dim = F._get_softmax_dim(name, input.dim(), _stacklevel + 2)
         x, layout, dims, shards = _operands(input, dim, dtype)
         if not shards:
             return wrap((torch.log_softmax if log else torch.softmax)(x, dim), layout)
@@ -156,26 +165,149 @@ def _softmax(log: bool):
         out = shifted - total.log() if log else torch.exp(shifted) / total
         return wrap(out, layout)
 
-    softmax.__name__ = "log_softmax" if log else "softmax"
+    softmax.__name__ = name
     return softmax
+
+
+_LAST = torch.iinfo(torch.int64).max
+
+
+def _first_extreme(values: torch.Tensor, where: torch.Tensor, shards, kind: str):
+    """Across ranks: the extreme of each rank's candidate ``values`` and the smallest global index ``where``
+    that holds it (torch picks the first occurrence)."""
+    best = across_detached(values, shards, MAX if kind == "max" else MIN)
+    return best, across_detached(torch.where(values == best, where, _LAST), shards, MIN)
+
+
+def _extreme_along(x: torch.Tensor, layout, dim: int, kind: str):
+    """max/min along one dim: values (gradient to the chosen element only, as torch's) and global indices."""
+    dims = normalize_dims(dim, x.dim())
+    s = layout.get(dims[0])
+    local_values, local_index = getattr(torch, kind)(x, dims[0], keepdim=True)
+    if s is None:  # an unsharded dim: torch's op on the shard
+        return local_values, local_index, dims
+    _, index = _first_extreme(local_values.detach(), local_index + s.start, [s], kind)
+    mine = (index >= s.start) & (index < s.stop)
+    picked = x.gather(dims[0], (index - s.start).clamp(0, x.shape[dims[0]] - 1))
+    return across(torch.where(mine, picked, torch.zeros_like(picked)), [s]), index, dims
+
+
+def _needs_fallback(layout, dims) -> bool:
+    return any(s.merged for s in layout.shards if s.dim in dims)  # token dims: indices need the factors
+
+
+def _extreme(kind: str):
+    """``torch.max``/``min``: of everything (as ``amax``), along a dim (values and global indices), or of two
+    tensors (element-wise)."""
+    everything, pair = _reduction(f"a{kind}"), elementwise(getattr(torch, kind))
+
+    def extreme(input, dim=None, keepdim=False, other=None):
+        if other is not None:
+            return pair(input, other)
+        if dim is None:
+            return everything(input)
+        x, layout = unwrap(input)
+        if _needs_fallback(layout, normalize_dims(dim, x.dim())):
+            return fallback(getattr(torch, kind), (input, dim, keepdim), {})
+        values, index, dims = _extreme_along(x, layout, dim, kind)
+        return getattr(torch.return_types, kind)(tuple(_finish(t, dims, keepdim, layout) for t in (values, index)))
+
+    extreme.__name__ = kind
+    return extreme
+
+
+def _arg_extreme(kind: str):
+    """``argmax``/``argmin``: global indices along a dim, or into the flattened global tensor."""
+
+    def arg(input, dim=None, keepdim=False):
+        x, layout = unwrap(input)
+        dims = normalize_dims(dim, x.dim())
+        if _needs_fallback(layout, dims):
+            return fallback(getattr(torch, f"arg{kind}"), (input, dim, keepdim), {})
+        if dim is not None:
+            return _finish(_extreme_along(x, layout, dim, kind)[1], dims, keepdim, layout)
+        flat = getattr(torch, f"arg{kind}")(x)
+        coords = [
+            c + (layout.get(d - x.dim()).start if layout.get(d - x.dim()) else 0)
+            for d, c in enumerate(torch.unravel_index(flat, x.shape))
+        ]
+        shape = layout.global_shape(x)
+        where = sum(c * math.prod(shape[d + 1 :]) for d, c in enumerate(coords))
+        _, index = _first_extreme(x.flatten()[flat].reshape(1), where.reshape(1), layout.shards, kind)
+        return index.reshape([1] * x.dim() if keepdim else [])
+
+    arg.__name__ = f"arg{kind}"
+    return arg
+
+
+def _logical(kind: str):
+    """all, any: the local answer, then one all-reduce (MIN for all, MAX for any) over the reduced axes."""
+
+    def logical(input, dim=None, keepdim=False):
+        x, layout, dims, shards = _operands(input, dim)
+        local = getattr(torch, kind)(x, dims, keepdim=keepdim or bool(shards))
+        if not shards:
+            return wrap(local, reduced_layout(layout, dims, keepdim))
+        result = across_detached(local.to(torch.uint8), shards, MIN if kind == "all" else MAX).to(local.dtype)
+        return _finish(result, dims, keepdim, layout)
+
+    logical.__name__ = kind
+    return logical
+
+
+def _agree(local: bool, layout, device) -> bool:
+    """True iff every rank of the layout's axes found ``local`` true: one boolean all-reduce."""
+    flag = torch.tensor([local], dtype=torch.uint8, device=device)
+    return bool(across_detached(flag, layout.shards, MIN))
+
+
+def _pair(func, input, other):
+    """Both operands as this rank's parts next to the common layout; ``None`` if they need the fallback."""
+    layouts = {t._layout for t in (input, other) if isinstance(t, SpatialTensor)}
+    if len(layouts) != 1:
+        return None
+    layout = layouts.pop()
+    return layout, localize(func, input, layout), localize(func, other, layout)
+
+
+def equal(input, other):
+    """The global answer (every rank the same): equal shapes (global, so no message) and equal parts."""
+    if input.shape != other.shape:
+        return False
+    pair = _pair(torch.equal, input, other)
+    if pair is None:
+        return fallback(torch.equal, (input, other), {})
+    layout, a, b = pair
+    return _agree(torch.equal(unwrap(a)[0], unwrap(b)[0]), layout, a.device)
+
+
+def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    pair = _pair(torch.allclose, input, other)
+    if pair is None:
+        return fallback(torch.allclose, (input, other, rtol, atol, equal_nan), {})
+    layout, a, b = pair
+    local = torch.allclose(unwrap(a)[0], unwrap(b)[0], rtol, atol, equal_nan)
+    return _agree(local, layout, a.device)
 
 
 def _registrations() -> dict:
     handlers = {}
     for kind in ("sum", "mean", "amax", "amin"):
-        for f in (getattr(torch, kind), getattr(torch.Tensor, kind)):
-            handlers[f] = _reduction(kind)
+        handlers |= bound(_reduction(kind), getattr(torch, kind), getattr(torch.Tensor, kind))
     for kind in ("var", "std"):
-        for f in (getattr(torch, kind), getattr(torch.Tensor, kind)):
-            handlers[f] = _moments(kind)
-    handlers.update({torch.norm: norm, torch.Tensor.norm: norm, torch.linalg.vector_norm: vector_norm})
-    handlers.update({torch.logsumexp: logsumexp, torch.Tensor.logsumexp: logsumexp})
-    for log, fs in (
-        (False, (torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax)),
-        (True, (torch.log_softmax, torch.Tensor.log_softmax, torch.nn.functional.log_softmax)),
-    ):
-        for f in fs:
-            handlers[f] = _softmax(log)
+        handlers |= bound(_moments(kind), getattr(torch, kind), getattr(torch.Tensor, kind))
+    for kind in ("all", "any"):
+        handlers |= bound(_logical(kind), getattr(torch, kind), getattr(torch.Tensor, kind))
+    for kind in ("max", "min"):
+        handlers |= bound(_extreme(kind), getattr(torch, kind), getattr(torch.Tensor, kind))
+        handlers |= bound(_arg_extreme(kind), getattr(torch, f"arg{kind}"), getattr(torch.Tensor, f"arg{kind}"))
+    handlers |= bound(norm, torch.norm, torch.Tensor.norm)
+    handlers |= bound(vector_norm, torch.linalg.vector_norm)
+    handlers |= bound(logsumexp, torch.logsumexp, torch.Tensor.logsumexp)
+    handlers |= bound(_softmax(False), torch.softmax, torch.Tensor.softmax, F.softmax)
+    handlers |= bound(_softmax(True), torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)
+    handlers |= bound(equal, torch.equal, torch.Tensor.equal)
+    handlers |= bound(allclose, torch.allclose, torch.Tensor.allclose)
     return handlers
 
 

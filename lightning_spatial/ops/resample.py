@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..halo import fetch_window
 from ..layout import DimShard, partition
 from ..tensor import unwrap, wrap
+from ._binding import bound
 from ._common import check_output_size, output_layout, spatial_shards
 from .pool import adaptive_pool
 
@@ -114,9 +115,9 @@ def interpolate(
     shards = spatial_shards(f"interpolate({mode})", x, layout, nd)
     global_in = layout.global_shape(x)[2:]
     out_sizes = _out_sizes(global_in, size, scale_factor)
-    factors = _factors(scale_factor, nd) if (scale_factor is not None and not recompute_scale_factor) else [None] * nd
     for i, s in shards.items():
         check_output_size(f"interpolate({mode})", s, out_sizes[i])
+    factors = _factors(scale_factor, nd) if (scale_factor is not None and not recompute_scale_factor) else [None] * nd
     # torch on the unsharded dims; sharded dims keep their local size (identity)
     local_size = [x.shape[2 + i] if i in shards else out_sizes[i] for i in range(nd)]
     if any(i not in shards for i in range(nd)):
@@ -150,6 +151,6 @@ def _out_sizes(global_in, size, scale_factor) -> list[int]:
     return [math.floor(n * f) for n, f in zip(global_in, _factors(scale_factor, nd))]
 
 
-HANDLERS = {F.interpolate: interpolate}
+HANDLERS = bound(interpolate, F.interpolate)
 
 __all__ = ["HANDLERS", "taps"]

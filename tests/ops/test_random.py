@@ -1,4 +1,4 @@
-"""Dropout, feature dropout and DropPath: the single-device decisions, and identical weights after training."""
+"""Dropout, DropPath and random tensors: the single-device decisions, and identical weights after training."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ OPS = {
     "dropout2d": lambda x: F.dropout2d(x, 0.5, training=True),
     "drop_path": DropPath(0.4),
     "eval_dropout": lambda x: F.dropout(x, 0.3, training=False),
+    "dropout2d_p1": lambda x: F.dropout2d(x, 1.0, training=True),  # zeros, not 0/0
+    "rand_like": lambda x: x * torch.rand_like(x),  # global draws, this rank's part: no gather, no repetition
+    "randn_like": lambda x: x + torch.randn_like(x, dtype=torch.float64),
+    "randint_like": lambda x: x * torch.randint_like(x, 0, 5),
+    "normal_": lambda x: x * torch.empty_like(x).normal_(1.0, 0.5),
+    "uniform_": lambda x: x * torch.empty_like(x).uniform_(-1, 1),
+    "bernoulli_": lambda x: x * torch.empty_like(x).bernoulli_(0.3),
 }
 
 

@@ -1,0 +1,191 @@
+"""Bind a handler's arguments as torch binds them for the function the handler stands in for.
+
+A handler receives a call as the user spelled it: positional or keyword, defaults left out, in any overload of
+the function (``x.var(False)`` passes ``unbiased``, ``x.var(1)`` passes ``dim``). ``bound`` reads the function's
+own signature once (the aten schemas of a builtin, overloads tried in order with the Python parser's strict
+types, so a bool is not an int; ``inspect.signature`` of a Python function) and calls the implementation with
+keywords only: every parameter of the matching overload, defaults filled in, ``self`` named ``input``. A call
+that matches no overload raises torch's own error (from the same call on meta tensors), before any communication.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._jit_internal import boolean_dispatched
+from torch.utils._pytree import tree_map
+
+from ..layout import LayoutError
+from ..tensor import fallback, name_of
+
+_ALIASES = {"axis": "dim", "keepdims": "keepdim"}  # numpy spellings torch's parser accepts
+
+
+@dataclass(frozen=True)
+class _Overload:
+    names: tuple[str, ...]
+    positional: int  # how many leading parameters may be passed positionally
+    defaults: dict[str, Any]
+    checks: dict[str, Callable[[Any], bool]]  # builtins only: the parser's type test per parameter
+    position: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "position", {n: i for i, n in enumerate(self.names)})
+
+    def bind(self, args: tuple, kwargs: dict, check: bool = True) -> dict[str, Any] | None:
+        """The arguments by name, or ``None`` if the call does not fit (``check``: also test the types)."""
+        if len(args) > self.positional:
+            return None
+        out = dict(self.defaults)
+        out.update(zip(self.names, args))
+        for key, value in kwargs.items():
+            key = _ALIASES.get(key, key) if self.checks else key
+            if self.position.get(key, -1) < len(args):  # unknown, or also given positionally
+                return None
+            out[key] = value
+        if len(out) < len(self.names):  # a required parameter is missing
+            return None
+        if check and not all(test(out[name]) for name, test in self.checks.items()):
+            return None
+        return out
+
+
+class Binding:
+    """The overloads of one torch function; ``bind(args, kwargs)`` is the matching overload's arguments."""
+
+    def __init__(self, func: Callable):
+        self.func = func
+        self.overloads = _overloads(func)
+        self._chosen: dict[tuple, _Overload] = {}  # call shape (count, keywords, types) -> overload
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        """The arguments by name; ``None`` if torch accepts a call no overload here matches (then only the
+        exact fallback is safe). A call torch rejects raises torch's error."""
+        if not self.overloads[0].checks:  # a Python function: one signature, no types to tell overloads apart
+            out = self.overloads[0].bind(args, kwargs)
+            if out is None:
+                _raise_torch_error(self.func, args, kwargs)
+            return out
+        key = (len(args), tuple(kwargs), *map(_kind, args), *map(_kind, kwargs.values()))
+        cached = self._chosen.get(key)
+        if cached is not None:  # the same types as a call that matched: the type tests would pass again
+            return cached.bind(args, kwargs, check=False)
+        for overload in self.overloads:
+            out = overload.bind(args, kwargs)
+            if out is not None:
+                self._chosen[key] = overload
+                return out
+        _raise_torch_error(self.func, args, kwargs)
+        return None
+
+
+def bound(impl: Callable, *funcs: Callable) -> dict[Callable, Callable]:
+    """Handlers for ``funcs`` that call ``impl`` with the arguments bound by each function's own signature."""
+    return {func: _handler(func, impl) for func in funcs}
+
+
+def _handler(func: Callable, impl: Callable) -> Callable:
+    binding = Binding(func)
+
+    def handler(*args, **kwargs):
+        arguments = binding.bind(args, kwargs)
+        if arguments is None:
+            return fallback(func, args, kwargs)
+        if arguments.pop("out", None) is not None:
+            raise LayoutError(f"{name_of(func)}: out= is not supported on sharded tensors; assign the result instead")
+        return impl(**arguments)
+
+    handler.__name__ = getattr(impl, "__name__", "handler")
+    return handler
+
+
+def _raise_torch_error(func: Callable, args: tuple, kwargs: dict) -> None:
+    """Run the call on meta tensors of the same global shapes: torch raises its own error for a bad call."""
+
+    def meta(t):
+        return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
+
+    args, kwargs = tree_map(meta, (args, kwargs))  # global shapes: ``t.shape`` of a SpatialTensor is global
+    try:
+        func(*args, **kwargs)
+    except NotImplementedError:  # no meta kernel: nothing learnt
+        pass
+
+
+def _overloads(func: Callable) -> tuple[_Overload, ...]:
+    if inspect.isfunction(func):
+        python = boolean_dispatched[func]["if_false"] if func in boolean_dispatched else func  # F.max_pool2d
+        return (_from_python(python),)
+    name = getattr(func, "__name__", "")
+    schemas = [
+        s
+        for s in torch._C._jit_get_schemas_for_operator(f"aten::{name}")
+        if s.arguments and s.arguments[0].name in ("self", "input") and s.arguments[0].type.kind() == "TensorType"
+    ]
+    if not schemas:
+        raise TypeError(f"no signature found for {name_of(func)}")
+    return tuple(_from_schema(s) for s in schemas)
+
+
+def _from_python(func: Callable) -> _Overload:
+    params = list(inspect.signature(func).parameters.values())
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        raise TypeError(f"cannot bind {name_of(func)}: its signature takes *args or **kwargs")
+    names = tuple("input" if i == 0 and p.name == "self" else p.name for i, p in enumerate(params))
+    positional = sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    defaults = {n: p.default for n, p in zip(names, params) if p.default is not p.empty}
+    return _Overload(names, positional, defaults, {})
+
+
+def _from_schema(schema) -> _Overload:
+    args = schema.arguments
+    names = tuple("input" if a.name == "self" else a.name for a in args)
+    positional = sum(1 for a in args if not a.kwarg_only)
+    defaults = {n: a.default_value for n, a in zip(names, args) if a.has_default_value()}
+    checks = {n: _check(a.real_type, a.N) for n, a in zip(names, args)}
+    return _Overload(names, positional, defaults, checks)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (numbers.Integral, torch.SymInt)) and not isinstance(v, bool)
+
+
+def _check(t, n: int | None) -> Callable[[Any], bool]:
+    """The Python parser's test for an argument of schema type ``t`` (``n``: fixed list length)."""
+    kind = t.kind()
+    if kind == "OptionalType":
+        inner = _check(t.getElementType(), n)
+        return lambda v: v is None or inner(v)
+    if kind == "ListType":
+        element = _check(t.getElementType(), None)
+        single = n is not None and element is _is_int  # int[2] also takes one int
+        return lambda v: (isinstance(v, (list, tuple, torch.Size)) and all(map(element, v))) or (single and element(v))
+    return _SCALARS.get(kind, lambda v: True)
+
+
+_SCALARS: dict[str, Callable[[Any], bool]] = {
+    "TensorType": lambda v: isinstance(v, torch.Tensor),
+    "BoolType": lambda v: isinstance(v, bool),
+    "IntType": _is_int,
+    "SymIntType": _is_int,
+    "FloatType": lambda v: isinstance(v, numbers.Real),
+    "NumberType": lambda v: isinstance(v, numbers.Number) or (isinstance(v, torch.Tensor) and v.dim() == 0),
+    "StringType": lambda v: isinstance(v, str),
+    "ScalarTypeType": lambda v: isinstance(v, torch.dtype),
+}
+
+
+def _kind(v) -> Any:
+    """What decides the overload: the type of a value, and of a list's elements."""
+    t = type(v)
+    if t is list or t is tuple or t is torch.Size:
+        return (t, *map(type, v))
+    return t
+
+
+__all__ = ["Binding", "bound"]
