@@ -1,6 +1,9 @@
 """Normalisation with statistics over the whole image: per-rank sums all-reduced over the spatial axes.
 
-Two passes (mean, then the sum of squared deviations) keep fp32 accuracy. BatchNorm's running statistics
+Two passes (mean, then the sum of squared deviations) keep fp32 accuracy. One autograd Function normalises and
+applies the affine parameters and keeps only the input and the statistics for its backward (as torch's fused
+kernels do; built from ordinary ops, autograd would keep about three activation-sized tensors per layer).
+BatchNorm's running statistics
 are updated from the global batch statistics exactly as one device would (unbiased variance with the
 global count); eval mode uses the running statistics locally. BatchNorm statistics span the spatial group
 only: the data-parallel group joins only when the user asked for SyncBatchNorm (``Trainer(sync_batchnorm=True)``,
@@ -17,8 +20,9 @@ from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
-from ..collectives import across
+from ..collectives import across_detached
 from ..layout import Axis
 from ..tensor import localize, unwrap, wrap
 from ._binding import bound
@@ -38,21 +42,51 @@ def batch_norm_over(axis: Axis | None) -> Iterator[None]:
         _data_axis.reset(token)
 
 
-def _normalize(x: torch.Tensor, dims: tuple[int, ...], shards, count: int, eps: float):
-    """(x - mean) / sqrt(var + eps) over ``dims`` of the global tensor; also returns mean and (biased) var."""
-    mean = across(x.sum(dims, keepdim=True), shards) / count
-    var = across(((x - mean) ** 2).sum(dims, keepdim=True), shards) / count
-    return (x - mean) * torch.rsqrt(var + eps), mean, var
+class _Normalize(torch.autograd.Function):
+    """``(x - mean) * invstd * weight + bias`` with mean and variance over ``dims`` of the global tensor
+    (all-reduced over ``axes``); ``weight``/``bias`` broadcast against ``x``. Returns (out, mean, var)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dims, axes, count: int, eps: float):
+        wide = torch.promote_types(x.dtype, torch.float32)  # statistics in fp32 at least (bf16 activations)
+        mean = across_detached(x.sum(dims, keepdim=True, dtype=wide), axes) / count
+        var = across_detached(((x - mean) ** 2).sum(dims, keepdim=True), axes) / count
+        invstd = torch.rsqrt(var + eps)
+        out = (x - mean) * invstd
+        if weight is not None:
+            out = out * weight
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.dims, ctx.axes, ctx.count, ctx.bias_shape = dims, axes, count, None if bias is None else bias.shape
+        ctx.mark_non_differentiable(mean, var)
+        return out.to(x.dtype), mean, var
+
+    @staticmethod
+    @once_differentiable  # the statistics' all-reduces carry no graph
+    def backward(ctx, grad, _mean, _var):
+        x, weight, mean, invstd = ctx.saved_tensors
+        xhat = (x - mean) * invstd
+        grad = grad.to(xhat.dtype)
+        g = grad if weight is None else grad * weight
+        sum_g = across_detached(g.sum(ctx.dims, keepdim=True), ctx.axes)
+        sum_gx = across_detached((g * xhat).sum(ctx.dims, keepdim=True), ctx.axes)
+        grad_x = (g - sum_g / ctx.count - xhat * (sum_gx / ctx.count)) * invstd
+        # the affine parameters are replicated: their local sums are this rank's share of the gradient
+        grad_w = (grad * xhat).sum_to_size(weight.shape) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = grad.sum_to_size(ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
+        return grad_x.to(x.dtype), grad_w, grad_b, None, None, None, None
 
 
-def _affine(out: torch.Tensor, weight, bias) -> torch.Tensor:
-    """Per-channel scale and shift (channel dim 1)."""
-    shape = [1, -1] + [1] * (out.dim() - 2)
-    if weight is not None:
-        out = out * weight.view(shape)
-    if bias is not None:
-        out = out + bias.view(shape)
-    return out
+def _normalize(x: torch.Tensor, dims: tuple[int, ...], shards, count: int, eps: float, weight=None, bias=None):
+    """Normalise ``x`` over ``dims`` of the global tensor and apply ``weight``/``bias`` (broadcast against ``x``);
+    also returns the mean and the biased variance (for running statistics)."""
+    return _Normalize.apply(x, weight, bias, dims, tuple(shards), count, eps)
+
+
+def _channel(param, ndim: int):
+    """A per-channel parameter shaped to broadcast against ``(N, C, ...)``."""
+    return None if param is None else param.view([1, -1] + [1] * (ndim - 2))
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
@@ -69,8 +103,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {tuple(layout.global_shape(x))}"
         )
-    out, mean, var = _normalize(x, dims, shards, count, eps)
-    out = _affine(out, weight, bias)
+    out, mean, var = _normalize(x, dims, shards, count, eps, _channel(weight, x.dim()), _channel(bias, x.dim()))
     if training and running_mean is not None:
         with torch.no_grad():
             running_mean.mul_(1 - momentum).add_(mean.flatten(), alpha=momentum)
@@ -85,8 +118,10 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     grouped = x.reshape(n, num_groups, c // num_groups, *x.shape[2:])  # sharded dims keep their negative index
     dims = tuple(range(-(grouped.dim() - 2), 0))
     count = (c // num_groups) * math.prod(layout.global_shape(x)[2:])
-    out, _, _ = _normalize(grouped, dims, shards, count, eps)
-    return wrap(_affine(out.reshape(x.shape), weight, bias), layout)
+    per_group = [1, num_groups, c // num_groups] + [1] * (x.dim() - 2)  # channel parameters against grouped x
+    weight, bias = (None if p is None else p.view(per_group) for p in (weight, bias))
+    out, _, _ = _normalize(grouped, dims, shards, count, eps, weight, bias)
+    return wrap(out.reshape(x.shape), layout)
 
 
 def instance_norm(
@@ -98,8 +133,7 @@ def instance_norm(
         return wrap(F.instance_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(range(-(x.dim() - 2), 0))
     count = math.prod(layout.global_shape(x)[2:])
-    out, mean, var = _normalize(x, dims, shards, count, eps)
-    out = _affine(out, weight, bias)
+    out, mean, var = _normalize(x, dims, shards, count, eps, _channel(weight, x.dim()), _channel(bias, x.dim()))
     if running_mean is not None:
         with torch.no_grad():
             running_mean.mul_(1 - momentum).add_(mean.flatten(2).mean((0, 2)), alpha=momentum)
@@ -116,11 +150,8 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     if not shards:  # over channels only (ConvNeXt's LayerNorm2d): local
         return wrap(F.layer_norm(x, x.shape[-k:], weight, bias, eps), layout)
     count = math.prod(layout.global_shape(x)[-k:])
-    out, _, _ = _normalize(x, dims, shards, count, eps)
-    if weight is not None:  # affine parameters cover the global dims: take our part
-        out = out * localize(F.layer_norm, weight, layout)
-    if bias is not None:
-        out = out + localize(F.layer_norm, bias, layout)
+    weight, bias = (localize(F.layer_norm, p, layout) for p in (weight, bias))  # they cover the global dims
+    out, _, _ = _normalize(x, dims, shards, count, eps, weight, bias)
     return wrap(out, layout)
 
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from timm.layers import LayerNorm2d
 from timm.layers.grn import GlobalResponseNorm
 
-from lightning_spatial import SpatialTensor
+from lightning_spatial import SpatialTensor, shard
+from lightning_spatial.tensor import wrap
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
@@ -111,3 +112,39 @@ def _grn_case(layout, channels_last):
 @pytest.mark.parametrize("channels_last", [True, False])
 def test_global_response_norm(layout, channels_last):
     run_spmd(_grn_case, LAYOUTS[layout][0], layout, channels_last)
+
+
+def _saved_activations(fn, x, local: torch.Tensor) -> int:
+    """How many tensors of (about) ``local``'s size autograd keeps for the backward of ``fn(x)``."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(n >= local.numel() // 2 for n in sizes)
+
+
+def _memory_case(layout):
+    torch.manual_seed(0)
+    full = torch.randn(2, 8, 6, 12)
+    x = shard(full, axes(layout))
+    weight, bias = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    norms = {
+        "batch_norm": lambda t: F.batch_norm(t, None, None, weight, bias, training=True),
+        "group_norm": lambda t: F.group_norm(t, 4, weight, bias),
+        "instance_norm": lambda t: F.instance_norm(t, weight=weight, bias=bias),
+        "layer_norm over H, W": lambda t: F.layer_norm(t, t.shape[-2:]),
+    }
+    for name, fn in norms.items():
+        local = x.to_local().clone().requires_grad_()
+        ours = _saved_activations(fn, wrap(local, x.shard_layout), local)
+        plain = _saved_activations(fn, local, local)  # torch's kernel on the shard alone: the memory to match
+        assert ours <= plain, f"{name}: keeps {ours} activation-sized tensors, torch's kernel {plain}"
+
+
+@pytest.mark.parametrize("layout", ["w3", "2x2"])
+def test_normalisation_keeps_no_more_activations_than_torchs_kernel(layout):
+    run_spmd(_memory_case, LAYOUTS[layout][0], layout)
