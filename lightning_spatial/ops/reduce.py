@@ -20,6 +20,7 @@ from ..layout import Layout
 from ..tensor import SpatialTensor, fallback, localize, unwrap, wrap
 from ._binding import bound
 from .elementwise import elementwise
+from .select import select
 
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
@@ -192,8 +193,14 @@ def _extreme_along(x: torch.Tensor, layout, dim: int, kind: str):
     return across(torch.where(mine, picked, torch.zeros_like(picked)), [s]), index, dims
 
 
-def _needs_fallback(layout, dims) -> bool:
+def _merged(layout, dims) -> bool:
     return any(s.merged for s in layout.shards if s.dim in dims)  # token dims: indices need the factors
+
+
+def _extreme_of_tokens(input, dim: int, keepdim: bool, kind: str):
+    """max/min along a merged token dim: the top-1 candidate selection of ``ops.select``."""
+    values, index = select(input, 1, dim, kind == "max")
+    return (values, index) if keepdim else (values.squeeze(dim), index.squeeze(dim))
 
 
 def _extreme(kind: str):
@@ -207,8 +214,8 @@ def _extreme(kind: str):
         if dim is None:
             return everything(input)
         x, layout = unwrap(input)
-        if _needs_fallback(layout, normalize_dims(dim, x.dim())):
-            return fallback(getattr(torch, kind), (input, dim, keepdim), {})
+        if _merged(layout, normalize_dims(dim, x.dim())):
+            return getattr(torch.return_types, kind)(_extreme_of_tokens(input, dim, keepdim, kind))
         values, index, dims = _extreme_along(x, layout, dim, kind)
         return getattr(torch.return_types, kind)(tuple(_finish(t, dims, keepdim, layout) for t in (values, index)))
 
@@ -222,8 +229,10 @@ def _arg_extreme(kind: str):
     def arg(input, dim=None, keepdim=False):
         x, layout = unwrap(input)
         dims = normalize_dims(dim, x.dim())
-        if _needs_fallback(layout, dims):
-            return fallback(getattr(torch, f"arg{kind}"), (input, dim, keepdim), {})
+        if _merged(layout, dims):
+            if dim is not None:
+                return _extreme_of_tokens(input, dim, keepdim, kind)[1]
+            return fallback(getattr(torch, f"arg{kind}"), (input, dim, keepdim), {})  # a flat index over tokens
         if dim is not None:
             return _finish(_extreme_along(x, layout, dim, kind)[1], dims, keepdim, layout)
         flat = getattr(torch, f"arg{kind}")(x)

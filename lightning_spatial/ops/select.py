@@ -1,13 +1,14 @@
-"""Top-k, sort and arg-extremes along a sharded (token) dim: exact values and global indices.
+"""Top-k and sort along a sharded (token) dim: exact values and global indices.
 
-``topk``, ``max(dim)``/``min(dim)``, ``argmax``/``argmin`` select candidates locally (a stable local sort, its
-first ``k``), all-gather ``k`` candidates per rank with their global indices (``Layout.positions``), and pick the
-final ``k`` with a stable sort of the candidates in global index order. Ties therefore go to the lowest global
-index: what torch documents for ``max``/``argmax`` (the first occurrence) and what ``sort(stable=True)`` gives;
-``torch.topk`` itself promises no order among ties. NaN sorts above everything, as in torch. The values are
-then gathered by those indices (``ops.index``), so their gradient reaches exactly the selected entries.
-``sort``/``argsort`` need the whole dim: it is all-gathered (a few scalars per token) and sorted on every rank.
-Results are replicated along the selected dim and keep the other dims' sharding.
+``topk`` (and ``max``/``argmax`` along a merged token dim, through ``ops.reduce``) selects candidates locally
+(a stable local sort, its first ``k``), all-gathers ``k`` candidates per rank with their global indices
+(``Layout.positions``) and picks the final ``k`` with a stable sort of the candidates in global index order.
+Ties therefore go to the lowest global index: what torch documents for ``max``/``argmax`` (the first
+occurrence) and what ``sort(stable=True)`` gives; ``torch.topk`` itself promises no order among ties. NaN sorts
+above everything, as in torch. The values are then gathered by those indices (``ops.index``), so their gradient
+reaches exactly the selected entries. ``sort``/``argsort`` need the whole dim: it is all-gathered (a few scalars
+per token) and sorted on every rank. Results are replicated along the selected dim and keep the other dims'
+sharding.
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ from __future__ import annotations
 import torch
 
 from ..collectives import all_gather
-from ..tensor import fallback, gather, unwrap, wrap
+from ..tensor import gather, unwrap, wrap
 from ._common import layout_of, meta_check, negative_dim, split_shards
-from .elementwise import elementwise
-from .reduce import reduced_layout
 
 
-def _select(input, k: int, dim: int, largest: bool):
+def select(input, k: int, dim: int, largest: bool):
     """(values, global indices) of the ``k`` largest (smallest) entries along a sharded ``dim``, sorted."""
     x, layout = unwrap(input)
     d = negative_dim(dim, x.dim())
@@ -54,38 +53,7 @@ def topk(input, k, dim=-1, largest=True, sorted=True):
     if not split_shards(layout, negative_dim(dim, x.dim()))[0]:
         values, index = x.topk(k, dim, largest, sorted)
         return torch.return_types.topk((wrap(values, layout), wrap(index, layout)))
-    return torch.return_types.topk(_select(input, k, dim, largest))
-
-
-def _extreme(largest: bool, func, plain):
-    """max/min: over everything (``amax``), element-wise with another tensor, or ``(values, indices)`` along dim."""
-    result = torch.return_types.max if largest else torch.return_types.min
-    binary = elementwise(torch.maximum if largest else torch.minimum)
-
-    def extreme(input, dim=None, keepdim=False):
-        if dim is None:
-            return plain(input)
-        if isinstance(dim, torch.Tensor):
-            return binary(input, dim)
-        meta_check(func, input, dim, keepdim)
-        x, layout = unwrap(input)
-        if not split_shards(layout, negative_dim(dim, x.dim()))[0]:
-            values, index = func(x, dim, keepdim)
-            layout = reduced_layout(layout, (negative_dim(dim, x.dim()),), keepdim)
-            return result((wrap(values, layout), wrap(index, layout)))
-        values, index = _select(input, 1, dim, largest)
-        return result((values, index) if keepdim else (values.squeeze(dim), index.squeeze(dim)))
-
-    return extreme
-
-
-def _arg(largest: bool, func):
-    def arg(input, dim=None, keepdim=False):
-        if dim is None:  # a flat index over every sharded dim
-            return fallback(func, (input,), {"dim": dim, "keepdim": keepdim})
-        return (torch.max if largest else torch.min)(input, dim, keepdim).indices
-
-    return arg
+    return torch.return_types.topk(select(input, k, dim, largest))
 
 
 def sort(input, dim=-1, descending=False, stable=False):
@@ -104,15 +72,6 @@ def argsort(input, dim=-1, descending=False, stable=False):
 
 def _registrations() -> dict:
     handlers = {torch.topk: topk, torch.Tensor.topk: topk}
-    for largest, fs, plain in (
-        (True, (torch.max, torch.Tensor.max), torch.amax),
-        (False, (torch.min, torch.Tensor.min), torch.amin),
-    ):
-        for f in fs:
-            handlers[f] = _extreme(largest, f, plain)
-    for largest, fs in ((True, (torch.argmax, torch.Tensor.argmax)), (False, (torch.argmin, torch.Tensor.argmin))):
-        for f in fs:
-            handlers[f] = _arg(largest, f)
     for f in (torch.sort, torch.Tensor.sort):
         handlers[f] = sort
     for f in (torch.argsort, torch.Tensor.argsort):
@@ -122,4 +81,4 @@ def _registrations() -> dict:
 
 HANDLERS = _registrations()
 
-__all__ = ["HANDLERS"]
+__all__ = ["HANDLERS", "select"]
