@@ -6,6 +6,7 @@ LIGHTNING_SPATIAL_REQUIRE_HOROVOD=1 so that a missing build fails instead of ski
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -33,24 +34,26 @@ if MISSING and os.environ.get("LIGHTNING_SPATIAL_REQUIRE_HOROVOD") == "1":
 needs_horovod = pytest.mark.skipif(MISSING is not None, reason=f"Horovod not built here: {MISSING}")
 
 
-def horovodrun(script: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``horovodrun --gloo -np 2`` on this machine; fails the test with the output if it fails."""
-    cmd = [str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, str(script), *args]
+def horovodrun(script: Path, *args: str, cwd: Path | None = None, gloo: bool = True) -> subprocess.CompletedProcess:
+    """``horovodrun -np 2`` on this machine (``--gloo``: gloo for the tensors too, on CPU); fails the test with
+    the output if it fails."""
+    flags = ["--gloo"] if gloo else []
+    cmd = [str(HOROVODRUN), *flags, "-np", "2", "-H", "localhost:2", sys.executable, str(script), *args]
     env = {**os.environ, "PATH": f"{HOROVODRUN.parent}:{os.environ['PATH']}"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return done
 
 
-def train(out: Path, *args: str) -> dict:
-    horovodrun(SCRIPT, "--out", str(out), *args)
+def train(out: Path, *args: str, gloo: bool = True) -> dict:
+    horovodrun(SCRIPT, "--out", str(out), *args, gloo=gloo)
     return torch.load(out / "final.pt")
 
 
-def single_device(samples: int, batch: int, accumulate: int = 1) -> LitModel:
+def single_device(samples: int, batch: int, accumulate: int = 1, accelerator: str = "cpu") -> LitModel:
     model = LitModel("convnext_atto")
     L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         max_epochs=3,
         logger=False,
@@ -59,7 +62,7 @@ def single_device(samples: int, batch: int, accumulate: int = 1) -> LitModel:
         enable_model_summary=False,
         accumulate_grad_batches=accumulate,
     ).fit(model, loader(Images(samples, 32, 64), batch))
-    return model
+    return model.cpu()
 
 
 def as_model(state: dict) -> LitModel:
@@ -108,6 +111,34 @@ def test_horovod_matches_single_device_and_ddp(tmp_path):
 def test_horovod_gradient_accumulation(tmp_path):
     ours = as_model(train(tmp_path, "--samples", "8", "--batch", "2", "--accumulate", "2"))
     assert_same_weights(ours, single_device(8, 4, accumulate=2))
+
+
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL (the device tool's nvidia-h200-x2 kind runs it)"
+)
+
+
+@needs_horovod
+@needs_two_gpus
+def test_horovod_on_two_gpus_matches_one_gpu(tmp_path):
+    """NCCL: the same weights as one GPU on the same global batch (fp32, TF32 off on both sides)."""
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    ours = as_model(train(tmp_path, "--accelerator", "gpu", gloo=False))
+    assert_same_weights(ours, single_device(4, 4, accelerator="gpu"))
+
+
+@needs_horovod
+@needs_two_gpus
+def test_horovod_options_on_gpus(tmp_path):
+    """fp16 compression, the fusion threshold and the timeline reach Horovod's NCCL path: training agrees with
+    uncompressed training to fp16's precision and the timeline is a readable Chrome trace of NCCL all-reduces."""
+    timeline = tmp_path / "timeline.json"
+    args = ["--accelerator", "gpu", "--compression", "fp16", "--fusion-threshold", str(64 * 2**20)]
+    compressed = as_model(train(tmp_path, *args, "--timeline", str(timeline), gloo=False))
+    assert_same_weights(compressed, single_device(4, 4, accelerator="gpu"), tolerance=1e-2)
+    text = timeline.read_text().rstrip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")  # Horovod may leave the array open
+    assert any("NCCL" in str(e.get("name", "")) + str(e.get("args", "")) for e in events), "no NCCL events"
 
 
 @needs_horovod

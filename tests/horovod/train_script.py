@@ -10,7 +10,7 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import lightning_spatial  # noqa: E402,F401 - registers "horovod"
+import lightning_spatial  # noqa: E402
 from tests.strategy.lit import Images, LitModel, loader  # noqa: E402
 
 
@@ -21,13 +21,21 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--accelerator", default="cpu", help="gpu: NCCL (plain fp32: TF32 off, as the reference)")
+    p.add_argument("--compression", default="none")
+    p.add_argument("--fusion-threshold", type=int, default=None)
+    p.add_argument("--timeline", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     model = LitModel("convnext_atto")
+    strategy = lightning_spatial.HorovodStrategy(
+        compression=args.compression, fusion_threshold_bytes=args.fusion_threshold, timeline=args.timeline
+    )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=1,
-        strategy="horovod",
+        strategy=strategy,
         max_epochs=args.epochs,
         logger=False,
         enable_progress_bar=False,
@@ -38,7 +46,7 @@ def main() -> None:
     )
     trainer.fit(model, loader(Images(args.samples, 32, 64), args.batch), loader(Images(6, 32, 64, seed=1), 2))
     if trainer.global_rank == 0:
-        torch.save(model.state_dict(), Path(args.out) / "final.pt")
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, Path(args.out) / "final.pt")
         Path(args.out, "checkpoint.txt").write_text(
             trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path
         )

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# BEV on H200s (docs/benchmarks.md, docs/bev.md): the camera-token attention and PETR memory, then PETR training.
+#   bash recipes/bev_h200.sh memory     # one GPU (fake group for S>1) and 2 GPUs over NCCL: rows to $OUT
+#   bash recipes/bev_h200.sh train      # experiment=petr_convnext on 2 GPUs for ${MINUTES:-6} minutes
+set -euo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)"
+OUT=${OUT:-.}
+BIN=$(dirname "$(command -v python3)")
+python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" hydra-core omegaconf
+case "${1:-memory}" in
+  memory)
+    python3 recipes/bench_attention.py --check --out "$OUT" --steps 3
+    B="python3 recipes/benchmark.py --model petr --cameras 6 --batch 1 --out $OUT --steps 3 --warmup 2"
+    $B --height 512 --widths 1408 --spatial 4,8 --precisions fp32,bf16
+    $B --height 900 --widths 1600 --spatial 4,8 --precisions fp32
+    "$BIN/torchrun" --standalone --nproc-per-node 2 recipes/benchmark.py --model petr --cameras 6 --batch 1 \
+      --out "$OUT" --steps 3 --warmup 2 --height 512 --widths 1408 --spatial 2 --precisions fp32,bf16 ;;
+  train)
+    "$BIN/torchrun" --standalone --nproc-per-node 2 recipes/train.py experiment=petr_convnext \
+      trainer.max_time="00:00:${MINUTES:-6}:00" trainer.enable_progress_bar=false out=/tmp/petr_convnext \
+      hydra.run.dir=/tmp/petr_convnext 2>&1 | grep -v "Warning\|warn(" | tail -40
+    cp /tmp/petr_convnext/csv/metrics.csv "$OUT/petr_convnext_metrics.csv" ;;
+esac
