@@ -173,6 +173,9 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        for param in self.model.parameters():
+            if param.requires_grad and param.dim() > 1 and 1 in param.shape:
+                param.register_hook(_laid_out_like(param))
         super().configure_ddp()
         state, hook, wrapper = self._user_comm_hook
         if hook is None:
@@ -261,6 +264,20 @@ class SpatialParallelStrategy(DDPStrategy):
         strategy_registry.register(
             "spatial_tp_fork", cls, description="spatial_tp with the fork start method", start_method="fork"
         )
+
+
+def _laid_out_like(param: torch.Tensor):
+    """A gradient hook giving ``param``'s strides to a gradient with the same memory layout but other strides on
+    size-1 dims (a depthwise (C, 1, k, k) weight's gradient from a channels_last convolution): DDP compares
+    strides exactly and would copy it into its bucket with a warning. Other layouts are left to DDP."""
+    stride = param.stride()
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if grad.stride() == stride or any(a != b for a, b, n in zip(grad.stride(), stride, grad.shape) if n > 1):
+            return grad
+        return grad.as_strided(grad.shape, stride, grad.storage_offset())
+
+    return hook
 
 
 def _sum_then_divide(data_size, bucket):
