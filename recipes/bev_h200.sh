@@ -9,6 +9,7 @@ BIN=$(dirname "$(command -v python3)")
 python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" hydra-core omegaconf
 case "${1:-memory}" in
   memory)
+    python3 -m pytest -q -p no:cacheprovider tests/ops/test_sample.py -x --tb=short 2>&1 | grep -E "^E |passed|failed" | head -12
     python3 recipes/bench_attention.py --check --out "$OUT" --steps 3
     B="python3 recipes/benchmark.py --model petr --cameras 6 --batch 1 --out $OUT --steps 3 --warmup 2"
     $B --height 512 --widths 1408 --spatial 4,8 --precisions fp32,bf16
