@@ -2,7 +2,7 @@
 # BEV on H200s (docs/benchmarks.md, docs/bev.md): the camera-token attention and PETR memory, then PETR training.
 #   bash recipes/bev_h200.sh memory     # one GPU (fake group for S>1) and 2 GPUs over NCCL: rows to $OUT
 #   bash recipes/bev_h200.sh train      # experiment=petr_convnext on 2 GPUs for ${MINUTES:-6} minutes
-set -euo pipefail
+set -uo pipefail  # a failed stage does not stop the next
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)"
 OUT=${OUT:-.}
 BIN=$(dirname "$(command -v python3)")
