@@ -134,7 +134,7 @@ def test_horovod_options_on_gpus(tmp_path):
     uncompressed training to fp16's precision and the timeline is a readable Chrome trace of NCCL all-reduces."""
     timeline = tmp_path / "timeline.json"
     args = ["--accelerator", "gpu", "--compression", "fp16", "--fusion-threshold", str(64 * 2**20)]
-    compressed = as_model(train(tmp_path, *args, "--timeline", str(timeline), gloo=False))
+    compressed = as_model(train(tmp_path, *args, "--trace", str(timeline), gloo=False))
     assert_same_weights(compressed, single_device(4, 4, accelerator="gpu"), tolerance=1e-2)
     text = timeline.read_text().rstrip().rstrip(",")
     events = json.loads(text if text.endswith("]") else text + "]")  # Horovod may leave the array open
