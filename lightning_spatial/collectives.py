@@ -58,7 +58,7 @@ def across(x: torch.Tensor, axes: Iterable, op=dist.ReduceOp.SUM) -> torch.Tenso
 
 def across_detached(x: torch.Tensor, axes: Iterable, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """``across`` for values that need no gradient (a softmax shift, an index, a count): in place, no graph."""
-    x = x.detach().clone()
+    x = x.detach().clone(memory_format=torch.contiguous_format)  # NCCL reduces dense row-major tensors only
     for a in axes:
         dist.all_reduce(x, op=op, group=getattr(a, "axis", a).group)
     return x
