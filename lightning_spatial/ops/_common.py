@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -110,6 +111,37 @@ class Windows:
         for _, s, windows in self.dims:
             x = fetch_window(x, s, windows, mode, fill)
         return x
+
+
+class _Recipe:
+    """What autograd keeps instead of a window: how to fetch it again."""
+
+    def __init__(self, rebuild: Callable[[], torch.Tensor]):
+        self.rebuild = rebuild
+
+
+@contextmanager
+def saved_as_recipe(window: torch.Tensor, source: torch.Tensor, rebuild: Callable[[], torch.Tensor]) -> Iterator[None]:
+    """While an op runs on ``window`` (``source`` widened by halos: a fresh copy), autograd keeps the window as a
+    recipe: backward fetches it again from ``source``, which stays alive as the plain op's saved input would.
+    Halos cross the wire twice; the activation is stored once (a saved window beside the tensor it was cut from
+    would store it twice). The rebuild runs under the backward's grad mode, so a second derivative still meets
+    the halo's refusal. Left alone under other saved-tensor hooks (activation checkpointing, offloading): they
+    decide what is kept."""
+    fresh = window.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+    if not (fresh and torch.is_grad_enabled()) or torch._C._autograd._top_saved_tensors_default_hooks(False):
+        yield
+        return
+    key = (window.data_ptr(), tuple(window.shape), window.stride())
+
+    def pack(t: torch.Tensor):
+        return _Recipe(rebuild) if (t.data_ptr(), tuple(t.shape), t.stride()) == key else t
+
+    def unpack(saved):
+        return saved.rebuild() if isinstance(saved, _Recipe) else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:

@@ -23,6 +23,7 @@ from ._common import (
     output_rows,
     output_sizes,
     require_replicated,
+    saved_as_recipe,
     spatial_shards,
 )
 
@@ -89,10 +90,15 @@ def _convolution(nd: int):
         padding = padding if isinstance(padding, str) else ntuple(padding, nd, "padding")
         shards = tuple(spatial_shards(op, x, layout, nd).items())
         plan = _conv_plan(op, nd, layout, shards, tuple(weight.shape[2:]), stride, dilation, padding)
-        x = plan.windows.fetch(autocast_input(x))
-        if plan.pad is not None:
-            x = F.pad(x, plan.pad)
-        return wrap(_CONV[nd](x, weight, bias, stride, plan.padding, dilation, groups), plan.layout)
+        x = autocast_input(x)
+
+        def window() -> torch.Tensor:
+            w = plan.windows.fetch(x)
+            return w if plan.pad is None else F.pad(w, plan.pad)
+
+        w = window()
+        with saved_as_recipe(w, x, window):
+            return wrap(_CONV[nd](w, weight, bias, stride, plan.padding, dilation, groups), plan.layout)
 
     conv.__name__ = op
     return conv

@@ -23,7 +23,16 @@ from ..halo import fetch_window
 from ..layout import DimShard, adaptive_bins, conv_window, partition, pool_out_size
 from ..tensor import unwrap, wrap
 from ._binding import bound
-from ._common import Windows, local_padding, ntuple, output_layout, output_rows, output_sizes, spatial_shards
+from ._common import (
+    Windows,
+    local_padding,
+    ntuple,
+    output_layout,
+    output_rows,
+    output_sizes,
+    saved_as_recipe,
+    spatial_shards,
+)
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
@@ -71,7 +80,8 @@ def _max_pool(nd: int):
         )
         xw = windows.fetch(x, fill=-math.inf)
         local_pad = local_padding(padding, shards)
-        out, indices = _MAX[nd](xw, kernel, stride, local_pad, dilation, ceil_mode, return_indices=True)
+        with saved_as_recipe(xw, x, lambda: windows.fetch(x, fill=-math.inf)):
+            out, indices = _MAX[nd](xw, kernel, stride, local_pad, dilation, ceil_mode, return_indices=True)
         out_layout = output_layout(layout, shards, out_sizes)
         if not return_indices:
             return wrap(out, out_layout)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_spatial import Axis
+from lightning_spatial import Axis, shard
+from lightning_spatial.tensor import wrap
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
@@ -220,3 +221,34 @@ def _conv_t_nd_case(layout, nd):
 @pytest.mark.parametrize("nd,layout", [(1, "w2"), (1, "w3"), (3, "w3"), (3, "2x2")])
 def test_conv_transpose_1d_3d(nd, layout):
     run_spmd(_conv_t_nd_case, LAYOUTS[layout][0], layout, nd)
+
+
+def _kept_bytes(fn) -> int:
+    """Bytes allocated during ``fn()`` and still alive after it: what autograd keeps for backward, plus outputs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    del out
+    return sum(e.self_cpu_memory_usage for e in prof.key_averages())
+
+
+def _window_memory_case(layout):
+    """A conv after a ReLU: one device keeps the ReLU output once (for both ops' backward). Ours must not keep
+    the halo-widened window beside it: backward fetches the window again."""
+    torch.manual_seed(0)
+    x = shard(torch.randn(2, 8, 32, 64), axes(layout))
+    w = torch.randn(8, 8, 3, 3, requires_grad=True)
+    local = x.to_local().clone().requires_grad_()
+
+    def net(t):
+        return torch.nn.functional.conv2d(torch.relu(t), w, padding=1).square()
+
+    plain = _kept_bytes(lambda: net(local))
+    ours = _kept_bytes(lambda: net(wrap(local, x.shard_layout)))
+    assert ours <= plain * 1.02, f"keeps {ours} bytes where the shard alone keeps {plain}"
+
+
+@pytest.mark.parametrize("layout", ["w2", "2x2"])
+def test_a_halo_window_is_not_kept_beside_its_input(layout):
+    run_spmd(_window_memory_case, LAYOUTS[layout][0], layout)
