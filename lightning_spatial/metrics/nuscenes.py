@@ -11,20 +11,10 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from ..data.batch import CLASSES
 from ._algo import ATTRIBUTE, LABEL, NUM_ERRORS, SCORE, SIZE, XY, evaluate_class
 
-DETECTION_CLASSES = (
-    "car",
-    "truck",
-    "bus",
-    "trailer",
-    "construction_vehicle",
-    "pedestrian",
-    "motorcycle",
-    "bicycle",
-    "traffic_cone",
-    "barrier",
-)
+DETECTION_CLASSES = CLASSES  # the devkit's ten detection classes, in its order (labels index them)
 # The devkit's detection_cvpr_2019 config: boxes this far (m, x-y distance from the ego origin) or farther are dropped.
 CLASS_RANGE = MappingProxyType(dict(zip(DETECTION_CLASSES, (50, 50, 50, 50, 50, 40, 40, 40, 30, 30))))
 ERRORS = ("ATE", "ASE", "AOE", "AVE", "AAE")
