@@ -204,18 +204,6 @@ def test_dispatch_overhead_smoke():
 
 
 @pytest.mark.slow
-def test_notebook_runs(tmp_path):
-    """Executes the tour notebook's code cells in order (no Jupyter needed), in a fresh interpreter."""
-    cells = json.loads((ROOT / "notebooks" / "tour.ipynb").read_text())["cells"]
-    code = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-    script = tmp_path / "tour.py"
-    script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "largest relative weight difference" in done.stdout
-
-
-@pytest.mark.slow
 def test_train_recipe_under_torchrun(tmp_path):
     """Launched by torchrun, Lightning's TorchElasticEnvironment supplies the ranks (as on a GPU cluster)."""
     out = torchrun_2("train.py", *TOY, "strategy.start_method=popen", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
