@@ -51,7 +51,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--widths", default="4096", help="comma list")
     p.add_argument("--spatial", default="4", help="comma list of spatial group sizes")
     p.add_argument(
-        "--layouts", default="width", help="comma list: width, height, tiles (2-D, square-ish), or HxW (e.g. 2x4)"
+        "--layouts", default="width", help="comma list: width, height, tiles (2-D, square-ish), HxW (2x4: only where S = 8)"
     )
     p.add_argument("--precisions", default="fp32", help="comma list: fp32, bf16")
     p.add_argument("--ckpt", default="0", help="comma list: 0, 1 (timm activation checkpointing)")
@@ -281,7 +281,8 @@ def profile(step, device, show: bool) -> dict[str, float]:
         out["compute"] = out["compute_exposed"] = wall - busy
     if show:
         events = prof.key_averages()
-        print(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=12))
+        for key in ["self_cuda_time_total"] * cuda + ["self_cpu_time_total"]:
+            print(events.table(sort_by=key, row_limit=12))
         print(json.dumps({"profile_ms": out}), flush=True)
     return out
 

@@ -164,13 +164,14 @@ def run_parts(args, n: int, runner: Runner) -> None:
     steps = TOY_STEPS if args.toy else STEPS
     one = [sys.executable, BENCH, *cpu, "--spatial", "1", "--baseline", "only"]
     one += [*CONVNEXT[1 if args.toy else 0].split(), *(TOY_STEPS if args.toy else BASELINE_STEPS).split()]
-    gpus = visible_gpus()[:2] if args.device == "cuda" else [None, None]  # one GPU each, at the same time
+    # one GPU each, at the same time; on CPU one thread each, as torchrun gives each rank
+    places = [{"CUDA_VISIBLE_DEVICES": g} for g in visible_gpus()[:2]] if not cpu else [{"OMP_NUM_THREADS": "1"}] * 2
     wanted = args.parts.split(",")
     if "convnext" in wanted:
         runner.finish(
             *[
-                runner.start(f"one_gpu_{p}", [*one, "--precisions", p], **({"CUDA_VISIBLE_DEVICES": g} if g else {}))
-                for p, g in zip(("fp32", "bf16"), gpus)
+                runner.start(f"one_gpu_{p}", [*one, "--precisions", p], **env)
+                for p, env in zip(("fp32", "bf16"), places)
             ]
         )
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), BENCH, *cpu]
