@@ -51,7 +51,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--widths", default="4096", help="comma list")
     p.add_argument("--spatial", default="4", help="comma list of spatial group sizes")
     p.add_argument(
-        "--layouts", default="width", help="comma list: width, height, tiles (2-D, square-ish), HxW (2x4: only where S = 8)"
+        "--layouts", default="width", help="comma list: width, height, tiles (2-D, square-ish), HxW (2x4: S = 8 only)"
     )
     p.add_argument("--precisions", default="fp32", help="comma list: fp32, bf16")
     p.add_argument("--ckpt", default="0", help="comma list: 0, 1 (timm activation checkpointing)")
