@@ -9,6 +9,9 @@ N GPUs (real NCCL halos and gradient all-reduce; spatial groups of ``--spatial``
 
     torchrun --nproc-per-node 8 recipes/benchmark.py --widths 4096 --spatial 8
 
+There every config whose spatial size S divides the world runs, as world/S data replicas; the memory is the
+largest over the ranks. ``recipes/scaling.py`` drives the whole multi-GPU grid against the one-GPU baseline.
+
 For each configuration it times, in the same process: the plain model on one rank's share of the input
 ("shard-only": the ideal, no halo, no communication) and our spatial step on that rank (forward,
 backward, AdamW). Ratios ours/shard-only are the numbers that matter. CPU smoke run (CI):
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import time
@@ -46,15 +50,19 @@ def parse() -> argparse.Namespace:
     p.add_argument("--height", type=int, default=512)
     p.add_argument("--widths", default="4096", help="comma list")
     p.add_argument("--spatial", default="4", help="comma list of spatial group sizes")
-    p.add_argument("--layouts", default="width", help="comma list: width, height, tiles (2-D, square-ish)")
+    p.add_argument(
+        "--layouts", default="width", help="comma list: width, height, tiles (2-D, square-ish), HxW (2x4: S = 8 only)"
+    )
     p.add_argument("--precisions", default="fp32", help="comma list: fp32, bf16")
     p.add_argument("--ckpt", default="0", help="comma list: 0, 1 (timm activation checkpointing)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--baseline", default="1", help="also time the shard-only baseline (0/1)")
+    p.add_argument(
+        "--baseline", default="1", choices=["0", "1", "only"], help="also time the shard-only baseline, or only it"
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one spatial step")
+    p.add_argument("--profile", action="store_true", help="where one spatial step's time goes (torch.profiler)")
     p.add_argument(
         "--fake-p2p",
         default="noop",
@@ -66,6 +74,9 @@ def parse() -> argparse.Namespace:
 
 
 def tiles(layout: str, s: int) -> tuple[int, int]:
+    if "x" in layout:
+        h, w = layout.split("x")
+        return int(h), int(w)
     if layout == "width":
         return 1, s
     if layout == "height":
@@ -149,7 +160,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     gen = torch.Generator(device=device).manual_seed(rank)
-    baseline = args.baseline == "1" and (not real or rank == 0)
+    baseline = args.baseline != "0" and (not real or rank == 0)
 
     def make_input(shape, layout_obj=None):
         return lambda: task.input(
@@ -166,6 +177,8 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
 
     if baseline:
         row["shard_ms"], row["shard_gib"] = alone()
+    if args.baseline == "only":
+        return row
 
     if not real:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -189,11 +202,15 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     row["grad_allreduce_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     step = train_step(task, ddp, opt, make_input(local, layout_obj), precision, device)
     row["ours_ms"], row["ours_gib"] = measure(step, device, args.steps, args.warmup)
+    if real:  # the rank that needs most memory is the one that matters
+        row["ours_gib_ranks"] = every_rank(row["ours_gib"])
+        row["ours_gib"] = max(row["ours_gib_ranks"])
     HaloStats.reset()
     step()
     row["halo_mib_per_step"] = HaloStats.sent_bytes / 2**20
     if args.profile:
-        profile(step, device)
+        summary = profile(step, device, show=not real or rank == 0)
+        row["profile"] = every_rank(summary) if real else [summary]
     del ddp, model, opt, step
     free(device)
     if baseline:  # time the baseline again after ours: the ratio uses the faster of its two runs
@@ -230,19 +247,72 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
-def profile(step, device) -> None:
-    """Where one step's time goes: the ops with most device time, then most host time."""
+def profile(step, device, show: bool) -> dict[str, float]:
+    """Where one step's time goes, in ms (``show``: print the ops with most device, then host, time).
+
+    On CUDA from the kernels' intervals: ``halo`` (NCCL send/recv), ``collective`` (the other NCCL kernels: the
+    gradient buckets' all-reduce, our spatial reductions) and ``compute`` (every other kernel) are the time each
+    runs; ``*_exposed`` is the part of it when no kernel of another kind runs (what it adds to the step: a halo
+    kernel also waits for its neighbour); ``idle`` is the wall time with no kernel at all (the device waits for the
+    host; the profiler's own host cost lands here). On CPU (gloo) from the host ops, coarse: a halo op's time
+    includes its window copies, collectives run asynchronously are missed, ``compute`` is the rest of the wall.
+    """
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
+    cuda = device.type == "cuda"
+    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        sync(device)
+        start = time.perf_counter()
         step()
         sync(device)
-    events = prof.key_averages()
-    if device.type == "cuda":
-        print(events.table(sort_by="self_cuda_time_total", row_limit=12), flush=True)
-    print(events.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+        wall = (time.perf_counter() - start) * 1e3
+    spans: dict[str, list[tuple[float, float]]] = {"halo": [], "collective": [], "compute": []}
+    for e in prof.events():
+        if (e.device_type == DeviceType.CUDA) == cuda and (kind := _kind(e.name, cuda)):
+            spans[kind].append((e.time_range.start / 1e3, e.time_range.end / 1e3))
+    busy = _covered(sum(spans.values(), []))
+    out = {"wall": wall, "idle": wall - busy if cuda else 0.0}
+    for kind, own in spans.items():
+        out[kind] = _covered(own)
+        out[f"{kind}_exposed"] = busy - _covered([s for k, v in spans.items() if k != kind for s in v])
+    if not cuda:
+        out["compute"] = out["compute_exposed"] = wall - busy
+    if show:
+        events = prof.key_averages()
+        for key in ["self_cuda_time_total"] * cuda + ["self_cpu_time_total"]:
+            print(events.table(sort_by=key, row_limit=12))
+        print(json.dumps({"profile_ms": out}), flush=True)
+    return out
+
+
+def _kind(name: str, cuda: bool) -> str | None:
+    """A profiler event's kind of work: a CUDA kernel, or on CPU a host op (None: part of compute)."""
+    low = name.lower()
+    if cuda and "nccl" not in low:
+        return "compute"
+    if ("send" in low or "recv" in low) if cuda else name.startswith("_FetchWindow"):
+        return "halo"
+    if cuda or any(c in low.replace("_", "") for c in ("allreduce", "allgather", "reducescatter", "broadcast")):
+        return "collective"
+    return None
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
+
+
+def every_rank(value):
+    """``value`` of every rank (under torchrun), in rank order."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def _no_messages(ops: list) -> list:
@@ -281,25 +351,24 @@ def main() -> None:
     args = parse()
     device, real = setup(args)
     rows = []
-    grid = [
-        (w, int(s), lay, prec, ck == "1")
+    grid = [  # precision outermost: a bf16 failure cannot cost the fp32 rows
+        (prec, w, int(s), lay, ck == "1")
+        for prec in args.precisions.split(",")
         for w in args.widths.split(",")
         for s in args.spatial.split(",")
         for lay in args.layouts.split(",")
-        for prec in args.precisions.split(",")
         for ck in args.ckpt.split(",")
     ]
-    for width, s, layout, precision, ckpt in grid:
-        if real and dist.get_world_size() % s:
+    for precision, width, s, layout, ckpt in grid:
+        if (real and dist.get_world_size() % s) or math.prod(tiles(layout, s)) != s:
             continue
         row = run_config(args, device, int(width), s, layout, precision, ckpt, real)
         rows.append(row)
-        if not real or dist.get_rank() == 0:
+        if not real or dist.get_rank() == 0:  # each row as it comes: a config failing later costs none of these
             print(json.dumps(row), flush=True)
-    if not real or dist.get_rank() == 0:
-        with open(os.path.join(args.out, "bench.jsonl"), "a") as f:
-            for row in rows:
+            with open(os.path.join(args.out, "bench.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
+    if not real or dist.get_rank() == 0:
         print_table(rows)
     if real:
         dist.destroy_process_group()

@@ -1,0 +1,81 @@
+"""recipes/scaling.py: the multi-GPU scaling grid, rehearsed on CPU under torchrun (gloo); no timing is asserted.
+And the profile summary of recipes/benchmark.py: which kernel is which kind of work, how intervals add up."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+import benchmark  # noqa: E402 - a script beside its helpers, not a package
+
+PROFILE_KEYS = {"wall", "idle"} | {f"{k}{e}" for k in ("halo", "collective", "compute") for e in ("", "_exposed")}
+
+
+@pytest.mark.parametrize(
+    "name, cuda, kind",
+    [
+        ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", True, "halo"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", True, "collective"),
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", True, "collective"),
+        ("void cudnn::cnn::conv2d_grouped_direct_kernel<float>(...)", True, "compute"),
+        ("_FetchWindowBackward", False, "halo"),
+        ("c10d::allreduce_", False, "collective"),
+        ("aten::convolution_backward", False, None),
+    ],
+)
+def test_profile_kinds(name, cuda, kind):
+    assert benchmark._kind(name, cuda) == kind
+
+
+def test_covered_counts_overlaps_once():
+    assert benchmark._covered([]) == 0
+    assert benchmark._covered([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (2.5, 2.75), (6.0, 6.5)]) == 5.0
+
+
+@pytest.mark.slow
+def test_scaling_rehearsal_on_4_ranks(tmp_path):
+    """The whole grid at toy size, 4 gloo ranks: baselines, S = 4 (width, 2x2) and D = 2 x S = 2, both precisions."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "scaling.py"), "--device", "cpu", "--gpus", "4", "--toy"]
+    done = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "scaling.json").read_text())
+    assert [(p["part"], p["rc"]) for p in result["parts"]] == [
+        ("one_gpu_fp32", 0),
+        ("one_gpu_bf16", 0),
+        ("convnext", 0),
+        ("petr_tiny", 0),
+    ]
+    rows = result["rows"]
+    grid = [(r["model"], r["precision"], r["data"], r["spatial"], r["tiles"]) for r in rows]
+    assert grid == [
+        ("convnext_atto", "fp32", 1, 1, "1x1"),
+        ("convnext_atto", "bf16", 1, 1, "1x1"),
+        ("convnext_atto", "fp32", 1, 4, "1x4"),
+        ("convnext_atto", "fp32", 1, 4, "2x2"),
+        ("convnext_atto", "fp32", 2, 2, "1x2"),
+        ("convnext_atto", "bf16", 1, 4, "1x4"),
+        ("convnext_atto", "bf16", 1, 4, "2x2"),
+        ("convnext_atto", "bf16", 2, 2, "1x2"),
+        ("petr_tiny", "fp32", 1, 4, "1x4"),
+        ("petr_tiny", "fp32", 2, 2, "1x2"),
+        ("petr_tiny", "bf16", 1, 4, "1x4"),
+        ("petr_tiny", "bf16", 2, 2, "1x2"),
+    ]
+    one_gpu = {r["precision"]: r["shard_ms"] for r in rows if r["part"].startswith("one_gpu")}
+    for r in rows[2:]:
+        assert r["backend"] == "gloo" and r["ranks"] == 4 and r["halo_mib_per_step"] > 0
+        t1 = one_gpu[r["precision"]] if r["model"] == "convnext_atto" else min(r["shard_ms"], r["shard_ms_after"])
+        assert math.isclose(r["efficiency"], t1 / (r["spatial"] * r["ours_ms"]))
+        assert len(r["ours_gib_ranks"]) == 4 and len(r["profile"]) == 4  # every rank reported
+        assert all(set(p) == PROFILE_KEYS and p["wall"] > 0 and p["halo"] > 0 for p in r["profile"])
+    context = result["context"]
+    assert context["ranks"] == 4 and context["versions"]["torch"] and context["topology"]
+    assert (tmp_path / "topology.txt").read_text().strip() == context["topology"]
+    assert "model, input" in done.stdout and "fp32 1x4: efficiency" in done.stdout
