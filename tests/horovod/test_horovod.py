@@ -113,6 +113,20 @@ def test_horovod_gradient_accumulation(tmp_path):
     assert_same_weights(ours, single_device(8, 4, accumulate=2))
 
 
+@pytest.mark.slow
+@needs_horovod
+def test_horovod_trains_petr_to_the_single_device_weights(tmp_path):
+    """Two Horovod ranks with 1 sample each reach the weights of one device with both samples (float64): the
+    box count normalising the losses is averaged over the replicas, as DETR does."""
+    from tests.models.test_bev_training import train as train_bev
+
+    horovodrun(SCRIPT.with_name("bev_script.py"), "--out", str(tmp_path))
+    reference = train_bev("petr", "auto", 1)
+    ours = type(reference).tiny().double()  # float64 on both sides: no rounding on the way
+    ours.load_state_dict(torch.load(tmp_path / "petr.pt"))
+    assert_same_weights(ours, reference, tolerance=1e-10)
+
+
 needs_two_gpus = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL (the device tool's nvidia-h200-x2 kind runs it)"
 )

@@ -30,7 +30,15 @@ class BEVDetector(L.LightningModule):
         return cls(**{**cls.TINY, **overrides})
 
     def loss(self, outputs, batch) -> dict[str, torch.Tensor]:
-        return self.head.loss(outputs, batch["boxes"], batch["labels"])
+        return self.head.loss(outputs, batch["boxes"], batch["labels"], self.mean_over_replicas)
+
+    def mean_over_replicas(self, count: torch.Tensor) -> torch.Tensor:
+        """A loss normaliser (the batch's box count) averaged over data-parallel replicas, as DETR does: their
+        averaged gradients then equal one device's on the whole batch. Alone (no Trainer): the count itself."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return count
+        return trainer.strategy.reduce(count.float(), reduce_op="mean")
 
     def decode(self, outputs) -> list[dict[str, torch.Tensor]]:
         return self.head.decode(outputs)

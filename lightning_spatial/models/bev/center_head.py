@@ -82,11 +82,12 @@ class CenterHead(nn.Module):
         mask = code.new_zeros(nx * ny + 1).index_put((flat,), torch.ones_like(flat, dtype=code.dtype))[:-1]
         return heatmap.view(-1, nx, ny), regression.T.reshape(-1, nx, ny), mask.view(1, nx, ny)
 
-    def loss(self, outputs, boxes: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def loss(self, outputs, boxes, labels, normaliser=lambda count: count) -> dict[str, torch.Tensor]:
         """Gaussian focal loss over the heatmap and weighted L1 at the centre cells, both divided by the number
-        of centres (>= 1). An empty scene trains the heatmap's negatives only."""
+        of centres (``normaliser`` may average it over data replicas; at least 1). An empty scene trains the
+        heatmap's negatives only."""
         heatmap, regression, mask = (torch.stack(t) for t in zip(*map(self.targets, boxes, labels)))
-        count = mask.sum().clamp(min=1)
+        count = normaliser(mask.sum()).clamp(min=1)
         weights = outputs["regression"].new_tensor(box_code.CODE_WEIGHTS).view(1, -1, 1, 1)
         heat = gaussian_focal_loss(outputs["heatmap"].float(), heatmap) / count
         l1 = (outputs["regression"].float() - regression).abs() * weights * mask

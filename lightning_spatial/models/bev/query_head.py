@@ -72,11 +72,13 @@ class QueryHead(nn.Module):
             found.append((torch.full_like(query, i), query, target[gt], label[gt]))
         return [torch.cat(column) for column in zip(*found)]
 
-    def loss(self, outputs, boxes: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Summed over decoder layers; each layer's terms are normalised by the batch's box count (>= 1). An
-        empty scene trains the no-object class only: its box term is a graph-connected zero."""
+    def loss(self, outputs, boxes, labels, normaliser=lambda count: count) -> dict[str, torch.Tensor]:
+        """Summed over decoder layers; each layer's terms are normalised by the batch's box count (``normaliser``
+        may average it over data replicas; at least 1). An empty scene trains the no-object class only: its box
+        term is a graph-connected zero."""
         targets = [box_code.encode(b.float()) for b in boxes]
-        num_boxes = max(sum(len(lab) for lab in labels), 1)
+        count = outputs["logits"].new_tensor(float(sum(len(lab) for lab in labels)))
+        num_boxes = normaliser(count).clamp(min=1)
         weights = outputs["codes"].new_tensor(box_code.CODE_WEIGHTS)
         terms = []
         for logits, codes in zip(outputs["logits"], outputs["codes"]):

@@ -1,0 +1,63 @@
+"""The three BEV modules, unchanged, train under ``spatial_tp`` (width 2 and 2x2 tiles) to the weights one device
+reaches on the same batches, with fallbacks turned into errors (no op may gather); float64, where the Hungarian
+matching and the heatmap peaks see the same numbers on both sides. PETR under Horovod: tests/horovod. (Lift-Splat
+and Simple-BEV have BatchNorm in their BEV encoders: plain data parallelism changes their statistics, as for any
+BatchNorm network; spatial ranks share one sample's statistics exactly.)"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_spatial import SpatialParallelStrategy
+from lightning_spatial.data import SurroundScenes, collate_surround
+from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
+from tests.strategy.test_equivalence import assert_same_weights
+
+MODELS = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV}
+
+
+def loader(replica: tuple[int, int] = (0, 1)) -> torch.utils.data.DataLoader:
+    """2 samples per step; data replica ``r`` of ``n`` gets every n-th sample from the r-th, 2 // n per step."""
+    scenes = SurroundScenes(4, 64, 96, cameras=2, max_objects=4, seed=3)  # 2 rows per rank at stride 32
+    r, n = replica
+    return torch.utils.data.DataLoader(
+        torch.utils.data.Subset(scenes, range(r, len(scenes), n)), batch_size=2 // n, collate_fn=collate_surround
+    )
+
+
+def train(name: str, strategy, devices: int, replica: tuple[int, int] = (0, 1)) -> L.LightningModule:
+    """Two epochs in float64 on this data replica's samples (the loader's order: no sampler is injected)."""
+    torch.manual_seed(0)
+    model = MODELS[name].tiny()
+    # SGD: AdamW divides each step by the gradient's running norm, so a parameter whose true gradient is zero
+    # (PETR's position-embedding bias shifts every key alike: softmax ignores it) would move by +-lr on rounding
+    # noise alone, and runs that only sum in another order would drift apart
+    model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="64-true",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    ).fit(model, loader(replica))
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spatial", [2, (2, 2)], ids=["w2", "2x2"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bev_module_trains_to_the_single_device_weights(name, spatial):
+    reference = train(name, "auto", 1)
+    devices = 2 if spatial == 2 else 4
+    ours = train(name, SpatialParallelStrategy(spatial, fallback="error", start_method="fork"), devices)
+    # the fork launcher hands the float64 weights back into this process's float32 model: both sides are rounded
+    # to float32 once, so 2 float32 ulps is the float64 agreement seen through that rounding
+    assert_same_weights(ours, reference.float(), tolerance=2e-7, zero_floor=1e-12)
