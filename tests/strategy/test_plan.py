@@ -136,7 +136,7 @@ class CheckPlan(L.Callback):
         self.tiles = tiles
 
     def setup(self, trainer, pl_module, stage):  # before the strategy's setup, where the probe runs
-        self.streams = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+        self.streams = (torch.get_rng_state(), np.random.get_state(), random.getstate())
         self.log = []
         self.handler = logging.Handler()
         self.handler.emit = lambda record: self.log.append(record.getMessage())
@@ -153,7 +153,8 @@ class CheckPlan(L.Callback):
             (chosen,) = [line for line in plans[0].splitlines() if line.endswith("<- chosen")]
             assert chosen.startswith(f"  {h}x{w} (") and "fits" in chosen, plans[0]
             assert torch.equal(torch.get_rng_state(), self.streams[0]), "the probe moved torch's random stream"
-            assert np.array_equal(np.random.get_state()[1], self.streams[1]), "the probe moved NumPy's stream"
+            _, keys, position, *_ = np.random.get_state()
+            assert np.array_equal(keys, self.streams[1][1]) and position == self.streams[1][2], "NumPy's stream moved"
             assert random.getstate() == self.streams[2], "the probe moved Python's random stream"
         fresh = make_model(pl_module.name)
         for (name, got), want in zip(pl_module.model.state_dict().items(), fresh.state_dict().values()):
