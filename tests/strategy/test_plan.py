@@ -99,7 +99,7 @@ def test_estimate_is_within_15_percent_of_a_real_rank(model, height, width, tmp_
         _fit(2, spatial, [Measure(tmp_path / name)], data)
         ranks = _read(tmp_path / name, 2)
         measured, state = max(r["measured"] for r in ranks), ranks[0]["state"]
-        assert measured - state > state or model != "segnet"  # activations dominate the small model's bytes
+        assert measured - state > 0.4 * state  # the activations are a large part of what is compared
         estimate = estimates[name]
         print(f"{model} {name}: estimate {estimate} B, measured {measured} B (state {state} B)")
         assert abs(estimate - measured) <= 0.15 * measured, (name, estimate, measured)
@@ -107,7 +107,7 @@ def test_estimate_is_within_15_percent_of_a_real_rank(model, height, width, tmp_
 
 
 def _one_device_bytes(data: Data) -> int:
-    """The plain model's first step on one device, measured here: model state + tensors saved for backward."""
+    """The plain model's first step on one device, measured here: model state, batch, tensors saved for backward."""
     module = LitModel(data.name)
     optimizer = module.configure_optimizers()
     batch = next(iter(loader(data, 2)))
