@@ -49,11 +49,8 @@ from .tensor import SpatialTensor, _size, fallback_mode
 
 _OOM = "out of memory in the probe"
 MARGIN = 0.9  # of the free memory: the CUDA context, NCCL buffers and fragmentation are not in the estimate
-_UNITS = (
-    {"": 1, "b": 1}
-    | {f"{p}b": 1000**i for i, p in enumerate("kmgt", 1)}
-    | {f"{p}ib": 1024**i for i, p in enumerate("kmgt", 1)}
-)
+_UNITS = {"": 1, "b": 1, **{f"{p}b": 1000**i for i, p in enumerate("kmgt", 1)}}
+_UNITS |= {f"{p}ib": 1024**i for i, p in enumerate("kmgt", 1)}
 
 
 def parse_budget(value: int | str | None) -> int | None:
@@ -189,8 +186,9 @@ def make_plan(strategy, trainer, budget: int | None, select: Select | None, grad
                 with _restored_random_state(device):
                     outcome = _probe_all(strategy, trainer, candidates, fakes, budget, select, gradient_copy)
             except Exception as raised:  # noqa: BLE001 - every rank must hear of it, or they would wait forever
-                ours = str(raised).startswith("lightning_spatial")
-                error, outcome = raised, str(raised) if ours else f"{type(raised).__name__}: {raised}"
+                error, outcome = raised, str(raised)
+                if not outcome.startswith("lightning_spatial"):
+                    outcome = f"lightning_spatial: rank 0 could not plan: {type(raised).__name__}: {raised}"
         outcome = strategy.broadcast(outcome, 0)
     finally:
         for group in fakes.values():
@@ -199,9 +197,7 @@ def make_plan(strategy, trainer, budget: int | None, select: Select | None, grad
     if error is not None:
         raise error
     if isinstance(outcome, str):
-        raise RuntimeError(
-            outcome if outcome.startswith("lightning_spatial") else f"lightning_spatial: rank 0: {outcome}"
-        )
+        raise RuntimeError(outcome)
     return outcome
 
 
@@ -302,7 +298,7 @@ class _Probe:
         if cuda:  # the allocator's statistics are kept on the host: no synchronisation needed
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-        with fallback_mode("silent"), halo:
+        with fallback_mode("silent"), _zero_filled_messages(), halo:
             with saved, self.precision.train_step_context():
                 loss = _loss(self.model.training_step(batch, 0))
             loss.backward()
@@ -324,6 +320,25 @@ class _Probe:
     def release(self) -> None:
         self.model = self.optimizers = None
         _free(self.device)
+
+
+@contextmanager
+def _zero_filled_messages():
+    """Halos the fake groups never deliver read as zeros, not as uninitialised memory, where a NaN would stop a
+    detector's Hungarian matching (their all-gather already hands every rank's piece this rank's input)."""
+    send_recv = dist.batch_isend_irecv
+
+    def batch_isend_irecv(ops):
+        for op in ops:
+            if op.op is dist.irecv:
+                op.tensor.zero_()
+        return send_recv(ops)
+
+    dist.batch_isend_irecv = batch_isend_irecv
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv = send_recv
 
 
 def _optimizers(model: nn.Module) -> list | None:

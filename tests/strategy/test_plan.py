@@ -3,6 +3,7 @@ plan in the log, the probe leaving the module and the random streams as they wer
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -14,7 +15,7 @@ import torch
 
 from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor
 from lightning_spatial.callbacks import _SavedActivations
-from lightning_spatial.plan import Estimate, choose, layouts, parse_budget
+from lightning_spatial.plan import Estimate, _zero_filled_messages, choose, layouts, parse_budget
 from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, LitModel, loader, make_model
 
@@ -260,3 +261,23 @@ def _fit_then_validate_in_rank():
 
 def test_other_stages_reuse_the_plan_of_the_fit():
     run_spmd(_fit_then_validate_in_rank, 2)
+
+
+def _halos_read_as_zeros():
+    fake = torch.distributed.new_group([0, 1], backend="fake")
+    if torch.distributed.get_rank() != 0:
+        return
+    for inside in (False, True):
+        received, pieces = torch.full((3,), float("nan")), [torch.full((2,), float("nan")) for _ in range(2)]
+        with _zero_filled_messages() if inside else contextlib.nullcontext():
+            recv = torch.distributed.P2POp(torch.distributed.irecv, received, 1, fake)
+            for work in torch.distributed.batch_isend_irecv([recv]):
+                work.wait()
+            torch.distributed.all_gather(pieces, torch.ones(2), group=fake)
+        assert torch.equal(received, torch.zeros(3)) == inside, received  # nothing arrives
+        assert torch.equal(torch.stack(pieces), torch.ones(2, 2))  # the fake all-gather copies this rank's piece
+
+
+def test_halos_the_fake_groups_never_deliver_read_as_zeros():
+    """A NaN in a halo would stop a detector's Hungarian matching in the probe."""
+    run_spmd(_halos_read_as_zeros, 2)
