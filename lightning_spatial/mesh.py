@@ -2,7 +2,8 @@
 
 Ranks are laid out data-major, so each spatial group is a block of consecutive ranks: with one process
 per device and ``spatial_size`` dividing the devices per node, a spatial group never leaves a node (fast
-links carry the halos) and data parallelism runs across nodes.
+links carry the halos) and data parallelism runs across nodes. A node is taken to be one NVLink island (as
+8-GPU NVSwitch nodes are); ``spatial_size="auto"`` only considers sizes dividing the devices per node.
 """
 
 from __future__ import annotations

@@ -64,9 +64,13 @@ def test_every_option_composes_and_instantiates(group, option, folder, tmp_path)
 
 
 def test_spatial_variants_reach_the_strategy(tmp_path):
-    cfgs = {name: _compose(f"strategy={name}", out=tmp_path).strategy for name in ("spatial_height", "spatial_2x2")}
+    names = ("spatial_height", "spatial_2x2", "spatial_auto")
+    cfgs = {name: _compose(f"strategy={name}", out=tmp_path).strategy for name in names}
     assert instantiate(cfgs["spatial_height"])._shard_dim == "height"
     assert instantiate(cfgs["spatial_2x2"])._spatial_size == [2, 2]  # a list, not a ListConfig
+    auto = _compose("strategy=spatial_auto", "strategy.memory_budget=70GiB", out=tmp_path).strategy
+    assert instantiate(cfgs["spatial_auto"])._spatial_size == "auto"
+    assert instantiate(auto)._memory_budget == 70 * 2**30
 
 
 @pytest.mark.parametrize("strategy", ["spatial_tp", "ddp"])
@@ -94,7 +98,7 @@ def test_the_gpu_experiment_is_what_its_comment_says(tmp_path):
 @pytest.mark.parametrize(
     "override, error, words",
     [
-        ("strategy=spatial_auto", MissingConfigException, ["strategy/spatial_auto", "spatial_tp", "spatial_2x2"]),
+        ("strategy=spatial_3d", MissingConfigException, ["strategy/spatial_3d", "spatial_tp", "spatial_auto"]),
         ("trainer=tpu", MissingConfigException, ["trainer/tpu", "cpu", "gpu_bf16"]),
         ("trainer.max_epoch=3", ConfigCompositionException, ["trainer.max_epoch"]),
         ("strategy.shard_dim=depth", InstantiationException, ["shard_dim", "'width', 'height'", "full_key: strategy"]),

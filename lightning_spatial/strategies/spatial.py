@@ -3,7 +3,9 @@
 The hooks, each small:
 
 - ``setup_environment``: the (data, spatial_h, spatial_w) DeviceMesh, every group with the strategy's
-  ``timeout``; every rank of a spatial group gets the same random stream (dropout masks must agree).
+  ``timeout``; every rank of a spatial group gets the same random stream (dropout masks must agree). With
+  ``spatial_size="auto"`` the mesh waits for ``setup``, where ``plan.make_plan`` chooses it from a probe of the
+  model on the first training batch (other stages reuse this process's last plan, or probe the training data too).
 - ``process_dataloader``: the collate hook cuts image-sized tensors to this rank's rows; the sampler
   splits samples over the data axis only (``distributed_sampler_kwargs``).
 - the model needs no preparation: its inputs are ``SpatialTensor`` shards, so every conv, pool, norm,
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
@@ -42,6 +45,7 @@ from typing_extensions import override
 from ..layout import Axis
 from ..mesh import SpatialDims, tiles
 from ..ops import norm
+from ..plan import Plan, make_plan, parse_budget
 from ..sharding import Select, ShardingCollate, describe
 from ..tensor import FallbackMode, SpatialTensor, fallback_mode, gather
 from ._scopes import metrics_sync_over, named_modules, naming_the_layer
@@ -52,8 +56,14 @@ class SpatialParallelStrategy(DDPStrategy):
 
     Args:
         spatial_size: ranks per spatial group: an int along ``shard_dim``, or ``(h, w)`` tiles. Default: all
-            processes of a node.
-        shard_dim: ``"width"`` or ``"height"`` (for an int ``spatial_size``).
+            processes of a node. ``"auto"``: the smallest size (dividing the processes of a node) whose estimated
+            per-rank memory fits ``memory_budget``, as width, height or tiles, whichever exchanges the fewest halo
+            bytes; chosen in ``setup`` from one probe step of the model on the first training batch and logged
+            (``lightning_spatial/plan.py``, docs/recipes.md).
+        shard_dim: ``"width"`` or ``"height"`` (for an int ``spatial_size``; ``"auto"`` considers both).
+        memory_budget: bytes one rank may use (an int, or a string such as ``"70GiB"``), for ``"auto"`` only.
+            Default: 90% of the free memory of each device (of the host, split over a node's processes, on
+            CPU), the smallest over ranks.
         shard_select: ``(path, tensor) -> bool`` choosing the batch tensors to shard; default: every tensor
             whose trailing two dims equal the image's (H, W) (``sharding.image_size`` says which is the image).
         fallback: an op without a spatial handler gathers its operands: ``"warn"`` once per op (default),
@@ -70,8 +80,9 @@ class SpatialParallelStrategy(DDPStrategy):
 
     def __init__(
         self,
-        spatial_size: int | tuple[int, int] | None = None,
+        spatial_size: int | tuple[int, int] | Literal["auto"] | None = None,
         shard_dim: Literal["width", "height"] = "width",
+        memory_budget: int | str | None = None,
         shard_select: Select | None = None,
         fallback: FallbackMode = "warn",
         accelerator=None,
@@ -87,8 +98,11 @@ class SpatialParallelStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        h, w = tiles(1 if spatial_size is None else spatial_size, shard_dim)  # a bad shard_dim or size raises now,
-        SpatialDims(h * w, h, w)  # not in the ranks; whether it divides the world waits for the world size
+        auto = spatial_size == "auto"
+        h, w = tiles(1 if spatial_size is None or auto else spatial_size, shard_dim)  # a bad shard_dim or size raises
+        SpatialDims(h * w, h, w)  # now, not in the ranks; whether it divides the world waits for the world size
+        if memory_budget is not None and not auto:
+            raise ValueError(f"memory_budget is for spatial_size='auto', got spatial_size={spatial_size!r}")
         if fallback not in ("warn", "error", "silent"):
             raise ValueError(f"fallback must be 'warn', 'error' or 'silent', got {fallback!r}")
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no second copy of the gradients
@@ -104,11 +118,13 @@ class SpatialParallelStrategy(DDPStrategy):
             **ddp_kwargs,
         )
         self._spatial_size = spatial_size
+        self._memory_budget = parse_budget(memory_budget)
         self._shard_dim = shard_dim
         self._shard_select = shard_select
         self._fallback = fallback
         self._user_comm_hook = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         self.dims: SpatialDims | None = None
+        self.plan: Plan | None = None  # spatial_size="auto": the chosen layout with every candidate's estimate
         self.mesh = None
         self.axes: dict[int, Axis] = {}
         self._sync_batchnorm = False
@@ -118,9 +134,14 @@ class SpatialParallelStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.dims = SpatialDims.from_strategy_args(
-            self.world_size, self._spatial_size, self._shard_dim, default=self.num_processes
-        )
+        if self._spatial_size != "auto":
+            self._build(
+                SpatialDims.from_strategy_args(self.world_size, self._spatial_size, self._shard_dim, self.num_processes)
+            )
+
+    def _build(self, dims: SpatialDims) -> None:
+        """The mesh, the axes of this rank and the shared random stream (collective)."""
+        self.dims = dims
         self.mesh = self.dims.build(self.root_device.type, self._timeout)
         names = {-2: ("spatial_h", self.dims.spatial_h), -1: ("spatial_w", self.dims.spatial_w)}
         self.axes = {dim: Axis.from_group(self.mesh.get_group(name)) for dim, (name, n) in names.items() if n > 1}
@@ -160,6 +181,8 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer) -> None:
+        if self._spatial_size == "auto":
+            self._build(self._planned(trainer).dims)
         if self._layer_sync is not None and self.axes:  # SyncBatchNorm: our batch_norm also spans the data axis
             self._layer_sync, self._sync_batchnorm = None, True
         self._run = ExitStack()
@@ -170,6 +193,14 @@ class SpatialParallelStrategy(DDPStrategy):
         self._run.enter_context(metrics_sync_over(self.data_group))
         super().setup(trainer)
         self._run.enter_context(named_modules(self.lightning_module))
+
+    def _planned(self, trainer) -> Plan:
+        """A plan from the first training batch; ``validate``/``test``/``predict`` reuse this process's last one."""
+        if trainer.state.fn == TrainerFn.FITTING or self.plan is None:
+            gradient_copy = not self._ddp_kwargs.get("gradient_as_bucket_view", False)
+            self.plan = make_plan(self, trainer, self._memory_budget, self._shard_select, gradient_copy)
+            rank_zero_info(self.plan.describe())
+        return self.plan
 
     @override
     def configure_ddp(self) -> None:
