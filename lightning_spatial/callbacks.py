@@ -141,6 +141,7 @@ class _SavedActivations(torch.autograd.graph.saved_tensors_hooks):
                 self.nbytes += size
             return t
 
+        pack.observes_only = True  # ops keep their recipes under it (ops._common.saved_as_recipe): counted as kept
         super().__init__(pack, lambda t: t)
 
 

@@ -126,19 +126,22 @@ def saved_as_recipe(window: torch.Tensor, source: torch.Tensor, rebuild: Callabl
     recipe: backward fetches it again from ``source``, which stays alive as the plain op's saved input would.
     Halos cross the wire twice; the activation is stored once (a saved window beside the tensor it was cut from
     would store it twice). The rebuild runs under the backward's grad mode, so a second derivative still meets
-    the halo's refusal. Left alone under other saved-tensor hooks (activation checkpointing, offloading): they
-    decide what is kept."""
+    the halo's refusal. Outer saved-tensor hooks that only observe (``pack.observes_only``: our memory
+    accounting) see every other tensor; any other outer hooks (activation checkpointing, offloading) decide what
+    is kept themselves, and the window is left to them."""
     fresh = window.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
-    if not (fresh and torch.is_grad_enabled()) or torch._C._autograd._top_saved_tensors_default_hooks(False):
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if not (fresh and torch.is_grad_enabled()) or (outer is not None and not getattr(outer[0], "observes_only", 0)):
         yield
         return
+    outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
     key = (window.data_ptr(), tuple(window.shape), window.stride())
 
     def pack(t: torch.Tensor):
-        return _Recipe(rebuild) if (t.data_ptr(), tuple(t.shape), t.stride()) == key else t
+        return _Recipe(rebuild) if (t.data_ptr(), tuple(t.shape), t.stride()) == key else outer_pack(t)
 
     def unpack(saved):
-        return saved.rebuild() if isinstance(saved, _Recipe) else saved
+        return saved.rebuild() if isinstance(saved, _Recipe) else outer_unpack(saved)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield

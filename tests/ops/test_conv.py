@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_spatial import Axis, shard
+from lightning_spatial.callbacks import _SavedActivations
 from lightning_spatial.tensor import wrap
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
@@ -247,6 +248,13 @@ def _window_memory_case(layout):
     plain = _kept_bytes(lambda: net(local))
     ours = _kept_bytes(lambda: net(wrap(local, x.shard_layout)))
     assert ours <= plain * 1.02, f"keeps {ours} bytes where the shard alone keeps {plain}"
+    counted = []  # our memory accounting (SpatialSummary, the automatic plan) observes without changing it
+    for t in (local, wrap(local, x.shard_layout)):
+        saved = _SavedActivations(torch.nn.Module())
+        with saved:
+            net(t)
+        counted.append(saved.nbytes)
+    assert counted[1] <= counted[0] * 1.02, f"counted {counted[1]} bytes where the shard alone counts {counted[0]}"
 
 
 @pytest.mark.parametrize("layout", ["w2", "2x2"])
