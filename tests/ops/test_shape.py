@@ -32,18 +32,19 @@ LOCAL_OPS = {  # keep every sharded dim whole: must run without a fallback
     "view_tokens": lambda x, w: x.view(x.shape[0], x.shape[1], -1) * w[0, 0],
     # numpy's ``axis=`` (torch's parser maps it to ``dim``)
     "stack_chunk_unbind_axis": lambda x, w: torch.stack(x.chunk(2, axis=1)[1].unbind(axis=1), axis=1) * w[0, 0],
+    "unbind_channels_last": lambda x, w: torch.stack(x.permute(0, 2, 3, 1).unbind(-1), 1) * w[0, 0],
     # replicated operands of the global size take this rank's rows: never a gather
     "cat_aspp_pooling": lambda x, w: torch.cat([x, _upsampled(x.mean((2, 3), keepdim=True) * w[0, 0], x)], 1),
     "cat_replicated_upsampled": lambda x, w: torch.cat((_upsampled(_map(w), x), x), dim=-3),
     "concatenate_replicated": lambda x, w: torch.concatenate([x, _upsampled(_map(w), x, "nearest")], axis=1),
-    "stack_replicated": lambda x, w: torch.stack([_upsampled(_map(w), x), x[:, 1:2]], 2),
+    "stack_replicated": lambda x, w: torch.stack([_upsampled(_map(w), x), x[:, 1:2]], -1),
     "add_replicated_upsampled": lambda x, w: x + _upsampled(_map(w), x, "nearest"),  # an FPN top-down add
     "cat_replicated_tokens": lambda x, w: torch.cat([x.flatten(2).mT, _upsampled(_map(w), x).flatten(2).mT], -1),
 }
 
 GATHER_OPS = {  # cut a sharded dim: exact through the gather fallback
     "cat_width": lambda x, w: torch.cat([x, x], -1) * w[0, 1],
-    "cat_axis_width": lambda x, w: torch.cat([x, _upsampled(_map(w), x).expand(-1, 4, -1, -1)], axis=-1),
+    "cat_axis_width": lambda x, w: torch.cat([x, x * w[0, 1]], axis=-1),
     "chunk_axis_width": lambda x, w: x.chunk(2, axis=-1)[1] * w[0, 1],
     "unbind_axis_width": lambda x, w: torch.stack(x.unbind(axis=-1)[1:], -1) * w[0, 1],
 }
