@@ -130,7 +130,7 @@ def _expand(func):
 
 def _join(func):
     """cat/concat/stack along an unsharded dim: local. A replicated operand with the sharded operands' global size
-    along every sharded dim (an upsampled 1x1 map, a broadcast bias) enters with this rank's rows
+    along every sharded dim (an upsampled 1x1 map, a position embedding) enters with this rank's rows
     (``tensor.localize``), so nothing is gathered. Operands sharded differently, or a cat along a sharded dim: the
     exact fallback. ``cat`` does not broadcast: a replicated size 1 there raises torch's own error."""
     stacks = func is torch.stack
