@@ -69,7 +69,7 @@ class Binding:
         if not self.overloads[0].checks:  # a Python function: one signature, no types to tell overloads apart
             out = self.overloads[0].bind(args, kwargs)
             if out is None:
-                _raise_torch_error(self.func, args, kwargs)
+                raise_torch_error(self.func, args, kwargs)
             return out
         key = (len(args), tuple(kwargs), *map(_kind, args), *map(_kind, kwargs.values()))
         cached = self._chosen.get(key)
@@ -80,7 +80,7 @@ class Binding:
             if out is not None:
                 self._chosen[key] = overload
                 return out
-        _raise_torch_error(self.func, args, kwargs)
+        raise_torch_error(self.func, args, kwargs)
         return None
 
 
@@ -104,7 +104,7 @@ def _handler(func: Callable, impl: Callable) -> Callable:
     return handler
 
 
-def _raise_torch_error(func: Callable, args: tuple, kwargs: dict) -> None:
+def raise_torch_error(func: Callable, args: tuple, kwargs: dict) -> None:
     """Run the call on meta tensors of the same global shapes: torch raises its own error for a bad call."""
 
     def meta(t):
@@ -122,14 +122,18 @@ def _overloads(func: Callable) -> tuple[_Overload, ...]:
         python = boolean_dispatched[func]["if_false"] if func in boolean_dispatched else func  # F.max_pool2d
         return (_from_python(python),)
     name = getattr(func, "__name__", "")
-    schemas = [
-        s
-        for s in torch._C._jit_get_schemas_for_operator(f"aten::{name}")
-        if s.arguments and s.arguments[0].name in ("self", "input") and s.arguments[0].type.kind() == "TensorType"
-    ]
+    schemas = [s for s in torch._C._jit_get_schemas_for_operator(f"aten::{name}") if s.arguments and _on_tensors(s)]
     if not schemas:
         raise TypeError(f"no signature found for {name_of(func)}")
     return tuple(_from_schema(s) for s in schemas)
+
+
+def _on_tensors(schema) -> bool:
+    """An overload whose first argument is a tensor (``self``) or a list of them (``cat``'s ``tensors``)."""
+    first = schema.arguments[0]
+    if first.name == "tensors":
+        return first.type.kind() == "ListType" and first.type.getElementType().kind() == "TensorType"
+    return first.name in ("self", "input") and first.type.kind() == "TensorType"
 
 
 def _from_python(func: Callable) -> _Overload:
@@ -188,4 +192,4 @@ def _kind(v) -> Any:
     return t
 
 
-__all__ = ["Binding", "bound"]
+__all__ = ["Binding", "bound", "raise_torch_error"]

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from ..collectives import across_detached
 from ..layout import DimShard, Layout, LayoutError
-from ..tensor import fallback, unwrap, wrap
+from ..tensor import SpatialTensor, fallback, localize, unwrap, wrap
+from ._binding import bound, raise_torch_error
 
 
 def _sizes(shape) -> tuple:
@@ -127,37 +128,60 @@ def _expand(func):
     return expand
 
 
-_INSERTS_DIM = {torch.stack}
-_REMOVES_DIM = {torch.unbind, torch.Tensor.unbind}
+def _join(func):
+    """cat/concat/stack along an unsharded dim: local. A replicated operand with the sharded operands' global size
+    along every sharded dim (an upsampled 1x1 map, a position embedding) enters with this rank's rows
+    (``tensor.localize``), so nothing is gathered. Operands sharded differently, or a cat along a sharded dim: the
+    exact fallback. ``cat`` does not broadcast: a replicated size 1 there raises torch's own error."""
+    stacks = func is torch.stack
+
+    def join(tensors, dim):
+        layout = next(t._layout for t in tensors if isinstance(t, SpatialTensor))
+        ndim = next(t.dim() for t in tensors if isinstance(t, SpatialTensor)) + stacks  # of the result
+        if not (-ndim <= dim < ndim and all(_joins(t, layout) for t in tensors)):
+            return _bad_or_fallback(func, (tensors, dim), {})
+        at = dim % ndim
+        if not stacks and any(ndim + d == at for d in layout.dims):
+            return fallback(func, (tensors, dim), {})
+        try:
+            local = func([unwrap(localize(func, t, layout))[0] for t in tensors], dim)
+        except RuntimeError:  # sizes that do not match: torch's message names the global ones
+            raise_torch_error(func, (tensors, dim), {})
+            raise
+        return wrap(local, layout.moved({d: d - (stacks and ndim - 1 + d < at) for d in layout.dims}))
+
+    return join
 
 
-def _along_unsharded(func, dim_arg: int):
-    """cat/stack/split/chunk/unbind along a dim that is not sharded: local and exact (else the fallback)."""
+def _joins(t: torch.Tensor, layout: Layout) -> bool:
+    """Sharded like the others, or replicated with their global size along every sharded dim."""
+    if isinstance(t, SpatialTensor):
+        return t._layout == layout
+    return all(t.dim() >= -s.dim and t.shape[s.dim] == s.extent for s in layout.shards)
 
-    def op(*args, **kwargs):
-        many = isinstance(args[0], (list, tuple))
-        tensors = list(args[0]) if many else [args[0]]
-        dim = kwargs.get("dim", args[dim_arg] if len(args) > dim_arg else 0)
-        layouts = {unwrap(t)[1] for t in tensors}
-        layout = next(iter(layouts))
-        if len(layouts) != 1 or layout is None:
-            return fallback(func, args, kwargs)  # mixed layouts or replicated operands: exact via gather
-        ndim = tensors[0].dim()
-        out_ndim = ndim + (func in _INSERTS_DIM) - (func in _REMOVES_DIM)
-        at = dim % (out_ndim if func in _INSERTS_DIM else ndim)
-        moves = {}
-        for d in layout.dims:
-            pos = ndim + d
-            if pos == at and func not in _INSERTS_DIM:
-                return fallback(func, args, kwargs)
-            pos += (func in _INSERTS_DIM and pos >= at) - (func in _REMOVES_DIM and pos > at)
-            moves[d] = pos - out_ndim
-        new = layout.moved(moves)
-        locals_ = [unwrap(t)[0] for t in tensors]
-        out = func(locals_ if many else locals_[0], *args[1:], **kwargs)
-        return tuple(wrap(o, new) for o in out) if isinstance(out, (tuple, list)) else wrap(out, new)
 
-    return op
+def _split(func):
+    """split/chunk/unbind along an unsharded dim: local (along a sharded dim: the exact fallback)."""
+    removes = func in (torch.unbind, torch.Tensor.unbind)
+
+    def split(dim, input=None, tensor=None, **sizes):  # ``torch.split`` names its operand ``tensor``
+        input = tensor if input is None else input
+        x, layout = unwrap(input)
+        if not -x.dim() <= dim < x.dim():
+            return _bad_or_fallback(func, (input,), {"dim": dim, **sizes})
+        at = dim % x.dim()
+        if any(x.dim() + d == at for d in layout.dims):
+            return fallback(func, (input,), {"dim": dim, **sizes})
+        new = layout.moved({d: d + (removes and x.dim() + d < at) for d in layout.dims})
+        return tuple(wrap(o, new) for o in func(x, dim=dim, **sizes))
+
+    return split
+
+
+def _bad_or_fallback(func, args: tuple, kwargs: dict):
+    """torch's own error for a call it rejects (before any communication); else the exact fallback."""
+    raise_torch_error(func, args, kwargs)
+    return fallback(func, args, kwargs)
 
 
 def _index_map(index, ndim: int) -> dict[int, int] | None:
@@ -241,12 +265,10 @@ def _registrations() -> dict:
     expand = _expand(torch.Tensor.expand)
     handlers[torch.Tensor.expand] = expand
     handlers[torch.Tensor.expand_as] = lambda x, other: expand(x, other.shape)  # other's shape is global
-    for f in (torch.cat, torch.concat, torch.stack):
-        handlers[f] = _along_unsharded(f, 1)
-    for f in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk):
-        handlers[f] = _along_unsharded(f, 2)
-    for f in (torch.unbind, torch.Tensor.unbind):
-        handlers[f] = _along_unsharded(f, 1)
+    for f in (torch.cat, torch.concat, torch.concatenate, torch.stack):
+        handlers.update(bound(_join(f), f))
+    for f in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.unbind, torch.Tensor.unbind):
+        handlers.update(bound(_split(f), f))
     handlers[F.linear] = linear
     handlers[F.one_hot] = one_hot
     handlers[torch.Tensor.__getitem__] = getitem

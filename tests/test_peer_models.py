@@ -1,0 +1,84 @@
+"""Contract test over models nobody here wrote, as a new user would bring them: every segmentation model of
+``torchvision.models.segmentation`` (auxiliary heads where the model has one) and a timm ``features_only``
+backbone under torchvision's ``FeaturePyramidNetwork``, unchanged, in train mode. Outputs, every parameter's
+gradient and every buffer (BatchNorm running statistics) on shards equal the single-process model's, with
+fallbacks turned into errors: no op gathers.
+
+Both meet the pattern of issue 17: a map pooled to 1x1 (replicated), resized to a sharded map's size with
+``F.interpolate(size=x.shape[-2:])`` and joined with sharded maps (DeepLabV3's ASPP image pooling: ``torch.cat``;
+the FPN's global-context level: the top-down add). float64, float64 tolerance (``oracle.RTOL_FLOAT64``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+import torchvision
+from torchvision.ops import FeaturePyramidNetwork
+
+from lightning_spatial import SpatialTensor, fallback_mode
+from tests.oracle import check
+from tests.spmd import LAYOUTS, axes, run_spmd
+
+SEGMENTATION = torchvision.models.list_models(module=torchvision.models.segmentation)
+SLOW = {"deeplabv3_resnet50", "deeplabv3_resnet101", "fcn_resnet50", "fcn_resnet101"}  # 15-55 s each on 2 cores
+# DeepLabV3's single-process float64 reference is itself noisier than RTOL_FLOAT64: the ASPP image-pooling branch
+# normalises a 1x1 map over 2 samples and BatchNorm after the projection removes the batch mean, so its gradients
+# cancel. One process, contiguous vs channels_last (a mere reordering), worst parameter gradient: 4.4e-12 relative
+# (ResNet-50), 3.9e-11 (ResNet-101); the sharded runs differ by as much. These tolerances are 10x that noise.
+RTOL = {"deeplabv3_resnet50": 5e-11, "deeplabv3_resnet101": 4e-10}
+
+
+def _segmentation(name: str) -> torch.nn.Module:
+    kwargs = dict(weights=None, weights_backbone=None, num_classes=3)  # no downloads
+    try:
+        return torchvision.models.get_model(name, aux_loss=True, **kwargs)
+    except NotImplementedError:  # LR-ASPP has no auxiliary head
+        return torchvision.models.get_model(name, **kwargs)
+
+
+class FPNWithContext(torch.nn.Module):
+    """A timm backbone's features plus a global-context level (pooled to 1x1: replicated) under torchvision's
+    FPN, whose top-down pass resizes that level to the next one's size and adds it to the sharded lateral."""
+
+    def __init__(self, backbone: str):
+        super().__init__()
+        self.body = timm.create_model(backbone, features_only=True, out_indices=(-4, -3, -2, -1), pretrained=False)
+        channels = self.body.feature_info.channels()
+        self.fpn = FeaturePyramidNetwork([*channels, channels[-1]], 16)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        levels = self.body(x)
+        levels.append(F.adaptive_avg_pool2d(levels[-1], 1))
+        return self.fpn({str(i): level for i, level in enumerate(levels)})
+
+
+def _case(layout: str, build, name: str) -> None:
+    torch.manual_seed(0)
+    model = build(name).double().train()
+    models = {False: model, True: copy.deepcopy(model)}  # BatchNorm buffers: one copy per side
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+
+    def run(x):
+        torch.manual_seed(1)  # dropout (DeepLabV3, FCN) draws the same global mask on both sides
+        out = models[isinstance(x, SpatialTensor)](x)
+        return tuple(out.values())
+
+    with fallback_mode("error"):
+        check(run, [x], sharded=[0], axes=axes(layout), modules=(models[False], models[True]), rtol=RTOL.get(name))
+
+
+@pytest.mark.parametrize("layout", ["w2", "2x2"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n in SLOW)) for n in SEGMENTATION])
+def test_torchvision_segmentation_models_train_spatially_and_exactly(name, layout):
+    run_spmd(_case, LAYOUTS[layout][0], layout, _segmentation, name, timeout=600)
+
+
+@pytest.mark.parametrize("layout", ["w2", "2x2"])
+@pytest.mark.parametrize("backbone", ["resnet18", "convnext_atto"])
+def test_timm_features_under_a_torchvision_fpn_train_spatially_and_exactly(backbone, layout):
+    run_spmd(_case, LAYOUTS[layout][0], layout, FPNWithContext, backbone)
