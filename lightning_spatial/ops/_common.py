@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 from torch.utils._pytree import tree_map
@@ -134,6 +135,9 @@ def saved_as_recipe(window: torch.Tensor, source: torch.Tensor, rebuild: Callabl
     if not (fresh and torch.is_grad_enabled()) or (outer is not None and not getattr(outer[0], "observes_only", 0)):
         yield
         return
+    if not _kept_anyway(source):  # the window would be its only copy: a recipe would keep as much, and refetch
+        yield
+        return
     outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
     key = (window.data_ptr(), tuple(window.shape), window.stride())
 
@@ -145,6 +149,36 @@ def saved_as_recipe(window: torch.Tensor, source: torch.Tensor, rebuild: Callabl
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+def _kept_anyway(t: torch.Tensor) -> bool:
+    """Whether ``t`` stays alive without this op: a tensor outside the graph (a batch: its owner holds it) or
+    one its producer saved for its own backward (ReLU's output, a norm's input). Otherwise (a residual sum, an
+    autocast copy) keeping the window costs no more than keeping ``t``, and the recipe would only refetch."""
+    fn = t.grad_fn
+    while type(fn).__name__ == "AliasBackward0":  # wrap/unwrap (as_subclass) insert these: same data
+        fn = fn.next_functions[0][0]
+    if fn is None or type(fn).__name__ == "AccumulateGrad":
+        return True
+    ptr = t.data_ptr()
+    return any(s.data_ptr() == ptr for s in _saved_tensors(fn))
+
+
+def _saved_tensors(fn) -> Iterator[torch.Tensor]:
+    if isinstance(fn, torch.autograd.function.BackwardCFunction):
+        yield from fn.saved_tensors
+        return
+    for name in _saved_names(type(fn)):
+        value = getattr(fn, name)
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+@lru_cache(maxsize=None)
+def _saved_names(node: type) -> tuple[str, ...]:
+    """A C++ autograd node's saved-value attributes (``_saved_result``, ``_saved_self``, ...), per node type."""
+    return tuple(n for n in dir(node) if n.startswith("_saved_") and not n.endswith("_raw"))
 
 
 def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:

@@ -260,3 +260,27 @@ def _window_memory_case(layout):
 @pytest.mark.parametrize("layout", ["w2", "2x2"])
 def test_a_halo_window_is_not_kept_beside_its_input(layout):
     run_spmd(_window_memory_case, LAYOUTS[layout][0], layout)
+
+
+def _refetch_case(layout):
+    """The window is fetched again in backward only where that saves memory: after a ReLU (autograd keeps its
+    output anyway) but not after a residual sum (the window would be the only copy: rebuilding it costs a second
+    exchange and saves nothing)."""
+    from lightning_spatial.halo import HaloStats
+
+    torch.manual_seed(0)
+    x, y = (shard(torch.randn(2, 4, 16, 24), axes(layout)) for _ in range(2))
+    w = torch.randn(4, 4, 3, 3, requires_grad=True)
+    sent = {}
+    for name, first in {"relu": lambda a, b: torch.relu(a), "sum": torch.add, "leaf": lambda a, b: a}.items():
+        HaloStats.reset()
+        out = torch.nn.functional.conv2d(first(x.detach().requires_grad_(), y), w, padding=1)
+        forward = HaloStats.sent_bytes
+        out.square().sum().backward()
+        sent[name] = HaloStats.sent_bytes / forward  # backward: the adjoint's messages (and a refetch's)
+    assert sent == {"relu": 3, "sum": 2, "leaf": 3}, sent
+
+
+@pytest.mark.parametrize("layout", ["w2", "2x2"])
+def test_a_window_is_fetched_again_only_where_that_saves_memory(layout):
+    run_spmd(_refetch_case, LAYOUTS[layout][0], layout)
