@@ -1,0 +1,107 @@
+"""``torch.compile`` under ``spatial_tp``: compiled modules train exactly as the eager module does on one device.
+
+Dynamo cannot trace a ``SpatialTensor`` (docs/design.md, "torch.compile"), so for the length of a run the
+strategy makes compiled code run its original eager code (``_scopes.compiling_eagerly``). Without it a compiled
+module fails its first step with dynamo's "Guard failed on the same frame it was created".
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+
+from lightning_spatial import SpatialParallelStrategy, SpatialTensor
+from lightning_spatial.strategies._scopes import compiling_eagerly
+from tests.oracle import check
+from tests.spmd import LAYOUTS, axes, run_spmd
+from tests.strategy.lit import Images, LitModel
+from tests.strategy.test_equivalence import SameWeightsInTheRanks, assert_same_weights, fit, single_device
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.MaxPool2d(2)
+        )
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((-2, -1)))
+
+
+def _never(gm, inputs):
+    raise AssertionError("a graph was compiled from code that met a SpatialTensor")
+
+
+def _compiled_case(layout, name):
+    torch.manual_seed(0)
+    model = Tiny() if name == "tiny" else timm.create_model(name, pretrained=False, num_classes=3)
+    model = model.double().train()
+    ours = copy.deepcopy(model)
+    compiled = torch.compile(ours, backend=_never)
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    with compiling_eagerly(ours):
+        check(
+            lambda x: compiled(x) if isinstance(x, SpatialTensor) else model(x),
+            [x],
+            sharded=[0],
+            axes=axes(layout),
+            modules=(model, ours),
+        )
+
+
+@pytest.mark.parametrize("layout,name", [("w2", "tiny"), ("2x2", "tiny"), ("w2", "resnet10t")])
+def test_a_compiled_model_gives_the_eager_outputs_and_gradients_on_shards(layout, name):
+    run_spmd(_compiled_case, LAYOUTS[layout][0], layout, name)
+
+
+def _eager_scope_case():
+    calls = []
+
+    def counting(gm, inputs):
+        calls.append(gm)
+        return gm.forward
+
+    root = torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2), backend=counting))
+    with pytest.warns(UserWarning, match="torch.compile is off under spatial_tp: '0' runs its original eager code"):
+        with compiling_eagerly(root):
+            root(torch.ones(1, 2))
+    assert not calls
+    root(torch.ones(1, 2))
+    assert len(calls) == 1
+
+
+def test_compiled_code_runs_eagerly_for_the_run_only_and_is_named():
+    run_spmd(_eager_scope_case, 1)  # in a child: compiling here would keep later tests from forking ranks
+
+
+class CompiledInside(LitModel):
+    """The backbone compiled inside the module, the other common way to use ``torch.compile``."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.model = torch.compile(self.model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["module", "submodule"])
+def test_trainer_fits_a_compiled_module_to_the_single_device_weights(how):
+    data = Images(4, 16, 24)
+    reference = single_device("segnet", data, 4)
+    ours = LitModel("segnet") if how == "module" else CompiledInside("segnet")
+    fit(torch.compile(ours) if how == "module" else ours, SpatialParallelStrategy(2, start_method="fork"), 2, data, 4)
+    assert_same_weights(ours, reference, tolerance=1e-5)
+
+
+@pytest.mark.slow
+def test_trainer_fits_a_compiled_timm_model_in_float64_on_2x2_tiles():
+    data = Images(4, 64, 64)
+    reference = LitModel("resnet10t")
+    fit(reference, "auto", 1, data, 4, precision="64-true")
+    check = SameWeightsInTheRanks(reference.double(), tolerance=1e-10, zero_floor=1e-12)
+    strategy = SpatialParallelStrategy((2, 2), start_method="fork")
+    fit(torch.compile(LitModel("resnet10t")), strategy, 4, data, 4, precision="64-true", callbacks=[check])
