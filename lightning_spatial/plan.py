@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.compile import to_uncompiled
 from torch import nn
 from torch.nn.modules.utils import _ntuple
 from torch.utils._pytree import tree_leaves
@@ -262,6 +263,8 @@ class _Probe:
         # A copy without the Trainer (LightningModule.__getstate__ leaves it out): whatever it would reach (the
         # data, other ranks) is out of bounds here. It logs nothing.
         self.model = copy.deepcopy(original)
+        if self.model._compiler_ctx is not None:  # Trainer.fit(torch.compile(m)) set steps bound to m on m
+            to_uncompiled(self.model)  # the copy's own steps again (eager: they run under force_eager anyway)
         self.model.log = self.model.log_dict = lambda *args, **kwargs: None
         self.precision.convert_module(self.model)
         self.model.to(self.device).train()
