@@ -13,7 +13,7 @@ import pytest
 import timm
 import torch
 
-from lightning_spatial import SpatialParallelStrategy, SpatialTensor
+from lightning_spatial import SpatialParallelStrategy, SpatialTensor, shard
 from lightning_spatial.strategies._scopes import compiling_eagerly
 from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd
@@ -117,3 +117,17 @@ def test_the_automatic_plan_probes_a_copy_of_a_compiled_module_not_the_module():
     strategy = SpatialParallelStrategy("auto", memory_budget="1TiB", start_method="fork")
     fit(torch.compile(ours), strategy, 2, data, 4, use_distributed_sampler=False)
     assert_same_weights(ours, reference, tolerance=1e-5)
+
+
+def _opaque_case():
+    torch._dynamo.config.nontraceable_tensor_subclasses.add(SpatialTensor)  # this forked rank only
+    width = torch.compile(lambda x: torch.full((1,), float(x.shape[-1])), backend="eager")
+    seen = [width(shard(torch.zeros(1, 1, 1, w), axes("w2"))).item() for w in (8, 9)]
+    assert seen == ([8.0, 9.0] if torch.distributed.get_rank() == 0 else [8.0, 8.0]), seen
+
+
+def test_why_not_graph_breaks_dynamo_guards_the_shard_size_where_it_read_the_global_one():
+    """The canary of docs/design.md ("torch.compile"): with a SpatialTensor opaque to dynamo, a graph built from
+    the global width 8 (shards 4 + 4) is reused on rank 1 for width 9 (shards 5 + 4), whose shard is 4 wide too.
+    When this fails, dynamo guards what it read, and graph breaks at sharded ops may be worth their cost."""
+    run_spmd(_opaque_case, 2)
