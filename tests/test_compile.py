@@ -13,7 +13,7 @@ import pytest
 import timm
 import torch
 
-from lightning_spatial import SpatialParallelStrategy, SpatialTensor, shard
+from lightning_spatial import SpatialParallelStrategy, SpatialTensor, shard, tensor
 from lightning_spatial.strategies._scopes import compiling_eagerly
 from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd
@@ -119,8 +119,19 @@ def test_the_automatic_plan_probes_a_copy_of_a_compiled_module_not_the_module():
     assert_same_weights(ours, reference, tolerance=1e-5)
 
 
+def _outside_case():
+    compiled = torch.compile(torch.nn.Conv2d(1, 1, 3, padding=1))
+    with pytest.raises(RuntimeError, match=r"cannot trace a SpatialTensor.*set_stance\('force_eager'\)"):
+        compiled(shard(torch.zeros(1, 1, 4, 8), axes("w2")))
+
+
+def test_compiling_over_a_shard_outside_the_strategy_says_what_to_do():
+    run_spmd(_outside_case, 2)
+
+
 def _opaque_case():
     torch._dynamo.config.nontraceable_tensor_subclasses.add(SpatialTensor)  # this forked rank only
+    tensor.is_compiling = lambda: False  # dynamo may read the shard (our refusal off)
     width = torch.compile(lambda x: torch.full((1,), float(x.shape[-1])), backend="eager")
     seen = [width(shard(torch.zeros(1, 1, 1, w), axes("w2"))).item() for w in (8, 9)]
     assert seen == ([8.0, 9.0] if torch.distributed.get_rank() == 0 else [8.0, 8.0]), seen
