@@ -1,14 +1,15 @@
 """``torch.compile`` under ``spatial_tp``: compiled modules train exactly as the eager module does on one device.
 
 Dynamo cannot trace a ``SpatialTensor`` (docs/design.md, "torch.compile"), so for the length of a run the
-strategy makes compiled code run its original eager code (``_scopes.compiling_eagerly``). Without it a compiled
-module fails its first step with dynamo's "Guard failed on the same frame it was created".
+strategy makes compiled code run its original eager code where activations are sharded
+(``_scopes.compiling_eagerly``); a compiled module met by a shard otherwise raises.
 """
 
 from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
 import timm
 import torch
@@ -31,6 +32,14 @@ class Tiny(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.features(x).mean((-2, -1)))
+
+
+_graphs = []  # compiled by ``_counting`` in this process (each forked rank has its own; the parent compiles nothing)
+
+
+def _counting(gm, inputs):
+    _graphs.append(gm)
+    return gm.forward
 
 
 def _never(gm, inputs):
@@ -60,19 +69,13 @@ def test_a_compiled_model_gives_the_eager_outputs_and_gradients_on_shards(layout
 
 
 def _eager_scope_case():
-    calls = []
-
-    def counting(gm, inputs):
-        calls.append(gm)
-        return gm.forward
-
-    root = torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2), backend=counting))
+    root = torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2), backend=_counting))
     with pytest.warns(UserWarning, match="torch.compile is off under spatial_tp: '0' runs its original eager code"):
         with compiling_eagerly(root):
             root(torch.ones(1, 2))
-    assert not calls
+    assert not _graphs
     root(torch.ones(1, 2))
-    assert len(calls) == 1
+    assert len(_graphs) == 1
 
 
 def test_compiled_code_runs_eagerly_for_the_run_only_and_is_named():
@@ -82,9 +85,9 @@ def test_compiled_code_runs_eagerly_for_the_run_only_and_is_named():
 class CompiledInside(LitModel):
     """The backbone compiled inside the module, the other common way to use ``torch.compile``."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, backend="inductor"):
         super().__init__(name)
-        self.model = torch.compile(self.model)
+        self.model = torch.compile(self.model, backend=backend)
 
 
 @pytest.mark.slow
@@ -107,15 +110,24 @@ def test_trainer_fits_a_compiled_timm_model_in_float64_on_2x2_tiles():
     fit(torch.compile(LitModel("resnet10t")), strategy, 4, data, 4, precision="64-true", callbacks=[check])
 
 
+class Compiled(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        assert all(e.bytes for e in trainer.strategy.plan.estimates), trainer.strategy.plan.describe()
+        assert _graphs, "nothing is sharded, yet the compiled module ran eagerly"
+
+
 @pytest.mark.slow
-def test_the_automatic_plan_probes_a_copy_of_a_compiled_module_not_the_module():
-    """Lightning sets a compiled module's steps on the module itself, bound to it: a copy would step the original.
-    Every layout fits 1 TiB, so the plan is 2 data replicas; both see all 4 images, as one device does."""
+def test_a_plan_without_spatial_axes_compiles_and_its_probe_steps_a_copy():
+    """Every layout fits 1 TiB, so the automatic plan is 2 data replicas of one rank: nothing is sharded and the
+    module compiles as under DDP; both replicas see all 4 images, as one device does. The probe runs every
+    candidate, sharded ones too, eagerly and on a copy: Lightning sets a compiled module's steps on the module
+    itself, bound to it, which a copy would step."""
     data = Images(4, 16, 24)
     reference = single_device("segnet", data, 4)
-    ours = LitModel("segnet")
+    ours = CompiledInside("segnet", backend=_counting)
     strategy = SpatialParallelStrategy("auto", memory_budget="1TiB", start_method="fork")
-    fit(torch.compile(ours), strategy, 2, data, 4, use_distributed_sampler=False)
+    compiled = torch.compile(ours, backend=_counting)
+    fit(compiled, strategy, 2, data, 4, use_distributed_sampler=False, callbacks=[Compiled()])
     assert_same_weights(ours, reference, tolerance=1e-5)
 
 

@@ -21,7 +21,7 @@ The hooks, each small:
 - ``predict_step`` returns full tensors (sharded outputs gathered), one copy per spatial rank.
 - checkpoints: parameters and buffers are plain replicated tensors; rank 0 saves a standard checkpoint.
 - for the run (``setup`` to ``teardown``): the ``fallback`` mode, BatchNorm's data axis, module paths for
-  messages, torchmetrics' sync group, ``torch.compile`` run eagerly (``_scopes``).
+  messages, torchmetrics' sync group, ``torch.compile`` run eagerly where activations are sharded (``_scopes``).
 """
 
 from __future__ import annotations
@@ -181,12 +181,13 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer) -> None:
-        self._run = ExitStack()
-        self._run.enter_context(compiling_eagerly(self.lightning_module))  # before the plan's probe step
         if self._spatial_size == "auto":
             self._build(self._planned(trainer).dims)
         if self._layer_sync is not None and self.axes:  # SyncBatchNorm: our batch_norm also spans the data axis
             self._layer_sync, self._sync_batchnorm = None, True
+        self._run = ExitStack()
+        if self.axes:  # nothing sharded (a plan of 1x1 tiles): compiled code compiles, as under DDP
+            self._run.enter_context(compiling_eagerly(self.lightning_module))
         self._run.enter_context(fallback_mode(self._fallback))
         self._run.enter_context(
             norm.batch_norm_over(self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None)
