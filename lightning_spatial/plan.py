@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.compile import to_uncompiled
 from torch import nn
 from torch.nn.modules.utils import _ntuple
 from torch.utils._pytree import tree_leaves
@@ -262,6 +263,8 @@ class _Probe:
         # A copy without the Trainer (LightningModule.__getstate__ leaves it out): whatever it would reach (the
         # data, other ranks) is out of bounds here. It logs nothing.
         self.model = copy.deepcopy(original)
+        if self.model._compiler_ctx is not None:  # Trainer.fit(torch.compile(m)) set steps bound to m on m
+            to_uncompiled(self.model)  # the copy's own steps again (the probe runs compiled code eagerly anyway)
         self.model.log = self.model.log_dict = lambda *args, **kwargs: None
         self.precision.convert_module(self.model)
         self.model.to(self.device).train()
@@ -293,12 +296,13 @@ class _Probe:
         return Estimate(tiles, state + inputs + step, halo)
 
     def _step(self, batch: Any) -> tuple[int, int]:
-        """(bytes a forward and backward hold above the model state and the batch; halo bytes)."""
+        """(bytes a forward and backward hold above the model state and the batch; halo bytes). Compiled code runs
+        eagerly: dynamo cannot trace a shard (docs/design.md, "torch.compile")."""
         saved, halo, cuda = _SavedActivations(self.model), _HaloBytes(self.model), self.device.type == "cuda"
         if cuda:  # the allocator's statistics are kept on the host: no synchronisation needed
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-        with fallback_mode("silent"), _zero_filled_messages(), halo:
+        with fallback_mode("silent"), _zero_filled_messages(), halo, torch.compiler.set_stance("force_eager"):
             with saved, self.precision.train_step_context():
                 loss = _loss(self.model.training_step(batch, 0))
             loss.backward()

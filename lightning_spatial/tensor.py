@@ -9,6 +9,7 @@ sharded, over which process group, with which global sizes (``layout.Layout``).
 Every torch function called on it goes through ``__torch_function__``: a handler registered in ``HANDLERS``
 (filled by ``ops.install()``: spatial ops, element-wise ops, metadata queries), or else the exact fallback:
 gather, run, reshard, announced by a ``SpatialFallbackWarning`` (or an error, or nothing: ``fallback_mode``).
+While dynamo compiles, it raises instead: ``torch.compile`` cannot trace a shard that reports the global shape.
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
 import torch
+from torch.compiler import is_compiling
 from torch.multiprocessing.reductions import reduce_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .collectives import all_gather
 from .layout import Axis, DimShard, Layout, LayoutError
+
+_NOT_COMPILABLE = (
+    "lightning_spatial: torch.compile cannot trace a SpatialTensor: it reports the global shape over one shard's "
+    "storage, and dynamo would guard the shard's sizes. SpatialParallelStrategy runs compiled code eagerly; elsewhere "
+    "call it under torch.compiler.set_stance('force_eager') (docs/design.md, 'torch.compile')"
+)
 
 
 class SpatialTensor(torch.Tensor):
@@ -54,6 +62,8 @@ class SpatialTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if is_compiling():  # dynamo is reading a shard: its graph would be guarded on the shard's sizes
+            raise RuntimeError(_NOT_COMPILABLE)
         handler = HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **(kwargs or {}))
