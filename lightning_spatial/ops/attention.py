@@ -181,7 +181,8 @@ class _ShardedKeys(torch.autograd.Function):
         part = torch.where(weight > 0, out.to(weight.dtype) * weight, 0)
         total = across_detached(torch.cat([part, weight], -1), shards)
         den = total[..., -1]
-        merged = (total[..., :-1] / den.clamp_min(1).unsqueeze(-1)).to(q.dtype)  # den is 0 or >= 1
+        # in the kernel output's memory layout: the CUDA backward reads ``out`` with the strides it wrote it with
+        merged = torch.empty_like(out).copy_(total[..., :-1] / den.clamp_min(1).unsqueeze(-1))  # den: 0 or >= 1
         lse = lse.clone()
         lse[..., :rows] = torch.where(den > 0, top + den.log(), 0)  # 0: the kernels' own value for a masked row
         ctx.save_for_backward(q, k, v, bias, merged, lse, *state)

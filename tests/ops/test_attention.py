@@ -3,6 +3,7 @@ nn.TransformerDecoderLayer, against one process (outputs and every gradient, wei
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -306,3 +307,59 @@ def _appended_keys_case():
 
 def test_bias_kv_and_zero_attention_append_a_key_exactly_through_the_fallback():
     run_spmd(_appended_keys_case, 2)
+
+
+def _fused_kernel_case(device: str, dtype: torch.dtype):
+    """The fused kernels (CPU flash, CUDA memory-efficient) on shards of one rank's group, against torch's math
+    attention on the same device: the merged output and log-sum-exp feed the kernel's backward exactly as the
+    kernel wrote its own (the CUDA backward reads ``out`` with the forward's memory layout)."""
+    from lightning_spatial import Axis
+    from lightning_spatial.tensor import shard
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 40, 32, device=device, dtype=dtype, requires_grad=True)
+    fmap = torch.randn(1, 2 * 8 * 32, 6, 20, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(1, 8, 40, 32, device=device, dtype=dtype)
+    results = []
+    for sharded in (False, True):
+        m = shard(fmap, {-1: Axis.from_group()}) if sharded else fmap
+        k, v = (heads(t, 8) for t in tokens(m).chunk(2, -1))
+        with (
+            torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
+            if not sharded
+            else contextlib.nullcontext()
+        ):
+            out = F.scaled_dot_product_attention(q, k, v)
+        results.append(torch.autograd.grad(out, (q, fmap), grad))
+        results[-1] = (out.detach(), *results[-1])
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for name, ours, ref in zip(("output", "dq", "d features"), results[1], results[0]):
+        ours, ref = getattr(ours, "to_local", lambda: ours)().float(), ref.float()
+        assert torch.isfinite(ours).all(), name
+        err = (ours - ref).abs().max() / ref.abs().max()
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol}"
+
+
+@pytest.mark.parametrize(
+    "device,dtype",
+    [
+        ("cpu", torch.float32),
+        pytest.param("cuda", torch.float32, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+        pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+    ],
+)
+def test_the_fused_kernels_backward_meets_the_merged_output_in_their_own_layout(device, dtype, tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    import lightning_spatial.ops.attention as attention
+
+    calls = []
+    forward = attention._ShardedKeys.forward
+    monkeypatch.setattr(attention._ShardedKeys, "forward", lambda *a: calls.append(1) or forward(*a))
+    # one rank, in this process: a forked child could not use CUDA after the parent asked for devices
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        _fused_kernel_case(device, dtype)
+    finally:
+        dist.destroy_process_group()
+    assert calls, "the sharded-keys path did not run"
