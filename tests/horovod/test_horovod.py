@@ -145,11 +145,15 @@ def test_horovod_on_two_gpus_matches_one_gpu(tmp_path):
 @needs_two_gpus
 def test_horovod_options_on_gpus(tmp_path):
     """fp16 compression, the fusion threshold and the timeline reach Horovod's NCCL path: training agrees with
-    uncompressed training to fp16's precision and the timeline is a readable Chrome trace of NCCL all-reduces."""
+    uncompressed training to fp16's precision and the timeline is a readable Chrome trace of NCCL all-reduces.
+    A tensor whose gradients lie below fp16's normal range (6e-5) loses them to the compression (Horovod does not
+    scale): from zero, three SGD steps move it by ~1.5 x its gradient on either side, so such a tensor is held to
+    that floor instead of relatively (on two H200s the relative check failed on exactly such a tensor, a depthwise
+    conv bias before LayerNorm: relative difference 1.00; this form of the check has not run on GPUs yet)."""
     timeline = tmp_path / "timeline.json"
     args = ["--accelerator", "gpu", "--compression", "fp16", "--fusion-threshold", str(64 * 2**20)]
     compressed = as_model(train(tmp_path, *args, "--trace", str(timeline), gloo=False))
-    assert_same_weights(compressed, single_device(4, 4, accelerator="gpu"), tolerance=1e-2)
+    assert_same_weights(compressed, single_device(4, 4, accelerator="gpu"), tolerance=1e-2, zero_floor=1e-4)
     text = timeline.read_text().rstrip().rstrip(",")
     events = json.loads(text if text.endswith("]") else text + "]")  # Horovod may leave the array open
     assert any("NCCL" in str(e.get("name", "")) + str(e.get("args", "")) for e in events), "no NCCL events"
