@@ -1,11 +1,11 @@
 """Synthetic surround-camera scenes: procedural, deterministic per (seed, index), rendered on the fly.
 
 A scene holds 0..max_objects boxes of the ten nuScenes classes (size priors, random yaw, velocities along the
-heading for movable classes) on the ground 6-48 m from the ego vehicle without overlaps, seen by up to six
-cameras on a nuScenes-like rig. Labels keep the boxes whose centre lies in the point-cloud range and projects
-into at least one camera. With ``temporal=True`` a sample also holds the same scene ``dt`` seconds earlier
-(objects moved back by their velocity, the ego vehicle by its own motion) and ``prev_lidar2img`` from the
-current ego frame. The world frame is the current ego frame.
+heading for movable classes) on the ground ``distance`` (6-48 m by default) from the ego vehicle without
+overlaps, seen by up to six cameras on a nuScenes-like rig. Labels keep the boxes whose centre lies in the
+point-cloud range and projects into at least one camera. With ``temporal=True`` a sample also holds the same
+scene ``dt`` seconds earlier (objects moved back by their velocity, the ego vehicle by its own motion) and
+``prev_lidar2img`` from the current ego frame. The world frame is the current ego frame.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ SIZES = torch.tensor(
 )  # fmt: skip
 FREQUENCY = torch.tensor([0.30, 0.08, 0.04, 0.03, 0.03, 0.18, 0.05, 0.05, 0.12, 0.12])
 TOP_SPEED = torch.tensor([10.0, 8.0, 8.0, 6.0, 3.0, 1.5, 10.0, 5.0, 0.0, 0.0])
+DISTANCE = (6.0, 48.0)  # metres from the ego origin to an object's centre, on the ground
 
 
 def camera_rig(cameras: Sequence[str], size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,15 +56,22 @@ def camera_rig(cameras: Sequence[str], size: tuple[int, int]) -> tuple[torch.Ten
     return torch.stack(intrinsics).float(), torch.stack(cam2ego).float()
 
 
-def sample_scene(g: torch.Generator, max_objects: int, classes: Sequence[int] | None = None) -> Scene:
+def sample_scene(
+    g: torch.Generator,
+    max_objects: int,
+    classes: Sequence[int] | None = None,
+    distance: tuple[float, float] = DISTANCE,
+) -> Scene:
     """A random scene drawn from ``g`` (a fixed sequence of draws, so a seed fixes the scene); ``classes``
-    (indices into ``CLASSES``) limits the objects to those classes."""
+    (indices into ``CLASSES``) limits the objects to those classes, ``distance`` (near, far) in metres the
+    range of their centres' ground distance from the ego origin."""
+    near, far = distance
     count = int(torch.randint(0, max_objects + 1, (1,), generator=g))
     frequency = FREQUENCY if classes is None else torch.zeros_like(FREQUENCY).index_fill(0, torch.tensor(classes), 1)
     labels = torch.multinomial(frequency, max(count, 1), replacement=True, generator=g)[:count]
     wlh = SIZES[labels] * (0.9 + 0.2 * torch.rand(count, 3, generator=g))
     radius, bearing, yaw, moving = (torch.rand(count, generator=g) for _ in range(4))
-    radius, bearing, yaw = 6 + 42 * radius, math.tau * bearing - math.pi, math.tau * yaw - math.pi
+    radius, bearing, yaw = near + (far - near) * radius, math.tau * bearing - math.pi, math.tau * yaw - math.pi
     speed = TOP_SPEED[labels] * torch.where(moving < 0.5, 2 * moving, 0.0)  # half of them stand still
     boxes = torch.stack(
         [
@@ -127,6 +135,7 @@ class SurroundScenes(Dataset):
         max_objects: int = 20,
         dt: float = 0.5,
         classes: Sequence[str] | None = None,
+        distance: Sequence[float] = DISTANCE,
     ):
         names = CAMERAS[:cameras] if isinstance(cameras, int) else tuple(cameras)
         unknown = set(classes or ()) - set(CLASSES)
@@ -138,6 +147,9 @@ class SurroundScenes(Dataset):
             raise ValueError(f"cameras={cameras!r}: the synthetic rig calibrates {len(RIG)} cameras, {CAMERAS}")
         if height < 1 or width < 1:
             raise ValueError(f"image size must be positive, got height={height}, width={width}")
+        if len(distance) != 2 or not 0 <= distance[0] <= distance[1]:
+            raise ValueError(f"distance={tuple(distance)!r}: give (near, far) metres with 0 <= near <= far")
+        self.distance = (float(distance[0]), float(distance[1]))
         self.num_samples, self.size, self.cameras = num_samples, (height, width), names
         self.temporal, self.seed, self.max_objects, self.dt = temporal, seed, max_objects, dt
         self.intrinsics, self.cam2ego = camera_rig(names, self.size)
@@ -162,7 +174,7 @@ class SurroundScenes(Dataset):
             raise IndexError(f"sample {index} out of range for {self.num_samples} synthetic scenes")
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         subset = None if self.classes == CLASSES else [CLASSES.index(c) for c in self.classes]
-        scene = sample_scene(g, self.max_objects, subset)
+        scene = sample_scene(g, self.max_objects, subset, self.distance)
         ego_speed, yaw_rate = 10 * torch.rand(1, generator=g).item(), 0.6 * torch.rand(1, generator=g).item() - 0.3
         keep = labelled(scene.boxes, self.lidar2img, self.size)
         sample = {
@@ -201,6 +213,7 @@ class SurroundSynthetic(SurroundDataModule):
         seed: int = 0,
         max_objects: int = 20,
         classes: Sequence[str] | None = None,
+        distance: Sequence[float] = DISTANCE,
         records_dir: str | None = None,
         records_format: str = DEFAULT_FORMAT,
     ):
@@ -211,6 +224,7 @@ class SurroundSynthetic(SurroundDataModule):
         h = self.hparams
         classes = list(h.classes) if h.classes is not None else None  # Hydra hands a ListConfig
         common = dict(cameras=h.cameras, temporal=h.temporal, max_objects=h.max_objects, classes=classes)
+        common["distance"] = tuple(h.distance)  # (near, far) metres
         return (
             SurroundScenes(h.num_samples, h.height, h.width, seed=h.seed, **common),
             SurroundScenes(h.val_samples, h.height, h.width, seed=h.seed + 1, **common),

@@ -57,7 +57,7 @@ def test_previous_frame_shows_objects_where_prev_lidar2img_puts_them(monkeypatch
     includes the ego motion) must find it there in the previous images, and ground where it is now."""
     box = torch.tensor([[15.0, 2.0, 0.9, 1.0, 1.0, 1.8, math.pi / 2, 0.0, 8.0]])
     scene = Scene(box, torch.tensor([0]), 3, SUN_FROM_FRONT)
-    monkeypatch.setattr(surround, "sample_scene", lambda g, max_objects, classes=None: scene)
+    monkeypatch.setattr(surround, "sample_scene", lambda g, *args: scene)
     sample = SurroundScenes(1, 64, 176, cameras=1, temporal=True)[0]
     assert not torch.equal(sample["prev_lidar2img"], sample["lidar2img"])  # the ego vehicle moved
 
@@ -77,7 +77,7 @@ def test_ground_texture_is_fixed_in_the_world(monkeypatch):
     """Ground points seen in both frames keep their colour (up to a little haze), which ties the images to
     the ego motion; the same points shifted by 2.5 m (other texture cells) do not."""
     scene = Scene(torch.zeros(0, 9), torch.zeros(0, dtype=torch.long), 11, SUN_FROM_FRONT)
-    monkeypatch.setattr(surround, "sample_scene", lambda g, max_objects, classes=None: scene)
+    monkeypatch.setattr(surround, "sample_scene", lambda g, *args: scene)
     sample = SurroundScenes(1, 64, 176, cameras=1, temporal=True)[0]
     g = torch.Generator().manual_seed(0)
     points = torch.stack([8 + 8 * torch.rand(200, generator=g), 4 * torch.rand(200, generator=g) - 2], 1)
@@ -117,6 +117,20 @@ def test_scenes_have_several_classes_moving_objects_and_empty_scenes():
     assert any(len(s["boxes"]) == 0 for s in samples)  # 0..max_objects objects per scene
     empty = SurroundScenes(1, 8, 22, max_objects=0)[0]
     assert empty["boxes"].shape == (0, 9) and empty["labels"].shape == (0,)
+
+
+def test_distance_bounds_how_far_from_the_ego_vehicle_objects_stand():
+    """Every object's ground distance lies in (near, far), here through the DataModule as Hydra builds it; by
+    default 6-48 m."""
+    train, val = SurroundSynthetic(num_samples=12, val_samples=4, height=8, width=22, max_objects=10,
+                                   distance=[10, 14]).datasets()  # fmt: skip
+    near = torch.cat([s["boxes"] for s in (*train, *val)])[:, :2].norm(dim=1)
+    assert len(near) > 20 and 10 - 1e-4 <= near.min() and near.max() <= 14 + 1e-4
+    g = torch.Generator().manual_seed(0)
+    default = torch.cat([surround.sample_scene(g, 20).boxes for _ in range(10)])[:, :2].norm(dim=1)
+    assert 6 - 1e-4 <= default.min() < 10 and 40 < default.max() <= 48 + 1e-4
+    with pytest.raises(ValueError, match=r"distance=\(14, 10\): give \(near, far\) metres"):
+        SurroundScenes(1, 8, 22, distance=(14, 10))
 
 
 @pytest.mark.parametrize("cameras", [7, 0, ["CAM_FRONT", "CAM_ROOF"]])
