@@ -5,9 +5,11 @@ python recipes/train.py model=convnext_atto               # classification: repl
 python recipes/train.py strategy=single trainer.devices=1 # the single-device baseline
 python recipes/train.py experiment=convnext_xl_4096       # 8 GPUs; more configs in docs/recipes.md
 python recipes/train.py -m strategy.spatial_size=1,2 model=convnext_atto,resnet18_seg
+python recipes/train.py experiment=bev_cpu                # PETR on synthetic surround cameras (docs/bev.md)
 
 The run directory (``out``) receives checkpoints/, csv/metrics.csv, tensorboard/ and plots/metrics.png; the
 ``SpatialSummary`` callback prints the mesh and shards at the start and speed, memory and paths at the end.
+``validate_first=true`` validates the untrained model first (the baseline for the final metrics).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main(cfg: DictConfig) -> dict[str, float]:
     model = instantiate(cfg.model)
     data = instantiate(cfg.data)
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
+    if cfg.validate_first:  # the untrained model's metrics: the baseline to read the final ones against
+        trainer.callbacks.append(ValidateFirst())
     trainer.fit(model, data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     csv_logs = [Path(lg.log_dir) / "metrics.csv" for lg in trainer.loggers if isinstance(lg, CSVLogger)]
@@ -39,21 +43,35 @@ def main(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+class ValidateFirst(L.Callback):
+    """Runs the validation loop once before the first training step, as the fit loop runs it after an epoch, so
+    its metrics reach every logger at step 0 (a separate ``trainer.validate`` launches its own processes, and
+    the CSV logger of ``fit`` then starts a fresh metrics.csv without them)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.validating = True
+        trainer.fit_loop.epoch_loop.val_loop.run()
+        trainer.training = True
+        if trainer.is_global_zero:
+            print("untrained metrics:", {k: round(float(v), 4) for k, v in sorted(trainer.callback_metrics.items())})
+
+
 def plot_metrics(metrics_csv: Path, png: Path) -> Path:
-    """Every logged loss and accuracy against the training step, from Lightning's CSV log."""
+    """Every logged loss, accuracy and detection score (mAP, NDS) against the training step, from Lightning's
+    CSV log."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = list(csv.DictReader(metrics_csv.open()))
-    keys = sorted(k for k in (rows[0] if rows else {}) if k.endswith(("_loss", "_acc")))
+    keys = sorted(k for k in (rows[0] if rows else {}) if k.endswith(("_loss", "_acc", "_mAP", "_NDS")))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for key in keys:
         points = [(int(r["step"]), float(r[key])) for r in rows if r.get(key) not in (None, "")]
         ax = axes[0] if key.endswith("_loss") else axes[1]
         ax.plot(*zip(*points), marker="o" if key.startswith("val") else None, label=key)
-    for ax, title in zip(axes, ("loss", "accuracy")):
+    for ax, title in zip(axes, ("loss", "accuracy, detection score")):
         ax.set(title=title, xlabel="step")
         ax.legend() if ax.has_data() else ax.set_visible(False)
     png.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
 from lightning_spatial.models.bev import boxes as box_code
 from lightning_spatial.models.bev.backbone import ImageEncoder
 from lightning_spatial.models.bev.center_head import CenterHead
+from lightning_spatial.models.bev.denoise import denoising_queries
 from lightning_spatial.models.bev.geometry import BEVGrid, frustum_to_ego, pixel_centres, project
 from lightning_spatial.models.bev.losses import gaussian_focal_loss, sigmoid_focal_loss
 from lightning_spatial.models.bev.query_head import QueryHead
@@ -296,6 +297,63 @@ def test_petrv2_needs_and_uses_the_previous_frame():
     moved = {**batch, "prev_lidar2img": batch["lidar2img"]}  # same images, no ego motion
     assert not torch.allclose(model(moved)["logits"], logits)
     assert not torch.allclose(model({**batch, "prev_images": -batch["prev_images"]})["logits"], logits)
+
+
+# --- query denoising -----------------------------------------------------------------------------------
+
+
+def test_denoising_queries_start_inside_their_box_and_far_ones_mean_no_object():
+    g = torch.Generator().manual_seed(3)
+    boxes, labels = [random_boxes(3, g), random_boxes(1, g)], [torch.tensor([2, 5, 7]), torch.tensor([4])]
+    low, high = torch.tensor(RANGE[:3]), torch.tensor(RANGE[3:])
+    torch.manual_seed(0)
+    dn = denoising_queries(boxes, labels, groups=4, num_queries=5, low=low, extent=high - low, split=0.75)
+    assert dn.reference.shape == (2, 12, 3) and dn.mask.shape == (17, 17)  # 4 groups of 3 (the most boxes)
+    assert torch.equal(dn.boxes[0], boxes[0].repeat(4, 1)) and torch.equal(dn.boxes[1, 0::3], boxes[1].repeat(4, 1))
+    assert dn.real[1].tolist() == [True, False, False] * 4 and dn.real[0].all()
+    real = dn.real
+    jitter = (dn.reference * (high - low) + low - dn.boxes[..., :3])[real] / (dn.boxes[real][:, 3:6] / 2)
+    far = jitter.norm(dim=-1) > 0.75
+    assert (jitter.abs() <= 1 + 1e-4).all() and far.any() and (~far).any()
+    given = torch.stack([torch.tensor([2, 5, 7]), torch.tensor([4, -1, -1])]).repeat(1, 4)[real]
+    assert torch.equal(dn.labels[real], torch.where(far, -1, given))
+    for i in range(17):  # a denoising query sees its own group and the matching queries; those only each other
+        allowed = [(j < 12 and i < 12 and i // 3 == j // 3) or j >= 12 for j in range(17)]
+        assert (~dn.mask[i]).tolist() == allowed, i
+
+
+def test_denoising_trains_without_changing_the_matching_queries():
+    torch.manual_seed(0)
+    model, plain = PETR.tiny(denoise_groups=3), PETR.tiny()
+    plain.load_state_dict(model.state_dict())
+    batch = surround_batch(batch=2, cameras=2)
+    outputs, reference = model(batch), plain(batch)
+    torch.testing.assert_close(outputs["logits"], reference["logits"])
+    torch.testing.assert_close(outputs["codes"], reference["codes"])
+    logits, codes, denoise = outputs["denoise"]
+    assert logits.shape == (2, 2, 9, 10) and codes.shape == (2, 2, 9, 10)  # (layers, batch, 3 groups x 3 boxes)
+    losses = model.loss(outputs, batch)
+    assert losses["loss_denoise"] > 0 and losses["loss"] > plain.loss(reference, batch)["loss"]
+    losses["loss"].backward()
+    assert model.reference_logits.grad.abs().sum() > 0 and model.query_embedding[0].weight.grad.abs().sum() > 0
+    model.eval()
+    assert "denoise" not in model(batch)
+
+
+def test_denoising_loss_vanishes_for_the_answers():
+    head = QueryHead(16, 10, RANGE)
+    g = torch.Generator().manual_seed(4)
+    boxes, labels = [random_boxes(2, g)], [torch.tensor([3, 8])]
+    low, high = torch.tensor(RANGE[:3]), torch.tensor(RANGE[3:])
+    torch.manual_seed(0)
+    dn = denoising_queries(boxes, labels, groups=3, num_queries=4, low=low, extent=high - low, split=0.75)
+    answers = box_code.encode(dn.boxes)[None]
+    confident = torch.full((1, 1, 6, 10), -30.0)
+    positive = dn.labels >= 0
+    confident[0][positive, dn.labels[positive]] = 30.0
+    assert head.denoise_loss(confident, answers, dn) < 1e-6
+    assert head.denoise_loss(confident, answers + 0.1, dn) > 0.2  # 0.25 x (8 x 0.1 + 2 x 0.02) per query
+    assert head.denoise_loss(-confident, answers, dn) > 10
 
 
 # --- the Lightning loop ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ CASES = {
     "lift_splat": (LiftSplat.tiny, {}, set()),  # voxel pooling of the frustum features: ops.index
     "simple_bev": (SimpleBEV.tiny, {}, set()),
     "petrv2": (PETR.tiny, dict(temporal=True, feature_guided_pe=True), set()),  # cross-attention: ops.attention
+    "petr_denoising": (PETR.tiny, dict(denoise_groups=2), set()),  # extra queries, a self-attention mask
 }
 
 
@@ -32,6 +33,7 @@ def _case(name):
     names = [k for k in ("images", "prev_images") if k in batch]  # sharded like the strategy's collate does
 
     def loss(*images):
+        torch.manual_seed(1)  # the same denoising queries on one process and on the shards
         return model.loss(model({**batch, **dict(zip(names, images))}), batch)["loss"]
 
     with warnings.catch_warnings(record=True) as caught:

@@ -3,7 +3,8 @@ transformer decoder cross-attends from learnable 3-D reference-point queries to 
 
 PETRv2 options: ``temporal=True`` adds the previous frame's tokens (their embedding from the ego-motion
 aligned ``prev_lidar2img``); ``feature_guided_pe=True`` gates the embedding per pixel with a sigmoid of an MLP
-of the image features. Tiny: ``PETR.tiny()``; the defaults are paper-sized (ConvNeXt-B, 256 dims, 6 layers,
+of the image features. ``denoise_groups=G`` trains G groups of query-denoising queries beside the matching ones
+(DN-DETR, as StreamPETR: ``denoise.py``). Tiny: ``PETR.tiny()``; the defaults are paper-sized (ConvNeXt-B, 256 dims, 6 layers,
 900 queries, 64 depth bins).
 """
 
@@ -19,6 +20,7 @@ from torch import nn
 from .backbone import ImageEncoder
 from .base import NUSCENES_RANGE, BEVDetector, as_range
 from .batch import check_batch
+from .denoise import denoising_queries
 from .geometry import frustum_to_ego, inverse_sigmoid
 from .query_head import QueryHead
 
@@ -73,9 +75,9 @@ class DecoderLayer(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(dims, ffn_dims), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dims, dims))
         self.norms = nn.ModuleList(nn.LayerNorm(dims) for _ in range(3))
 
-    def forward(self, x, query_pos, keys, values):
+    def forward(self, x, query_pos, keys, values, mask=None):
         q = x + query_pos
-        x = self.norms[0](x + self.self_attn(q, q, x, need_weights=False)[0])
+        x = self.norms[0](x + self.self_attn(q, q, x, attn_mask=mask, need_weights=False)[0])
         x = self.norms[1](x + self.cross_attn(x + query_pos, keys, values, need_weights=False)[0])
         return self.norms[2](x + self.ffn(x))
 
@@ -112,6 +114,7 @@ class PETR(BEVDetector):
         point_cloud_range: Sequence[float] = NUSCENES_RANGE,
         temporal: bool = False,
         feature_guided_pe: bool = False,
+        denoise_groups: int = 0,
         dropout: float = 0.0,
         max_detections: int = 300,
         lr: float = 2e-4,
@@ -143,10 +146,18 @@ class PETR(BEVDetector):
         features = self.encoder(images.flatten(0, 1))
         keys = camera_tokens(features + self.position(features, lidar2img, images.shape[-2:]), b)
         values = camera_tokens(features, b)
-        reference = self.reference_logits.sigmoid()
-        query_pos = self.query_embedding(sine_embedding(reference, self.hparams.embed_dims // 2)).expand(b, -1, -1)
+        reference = self.reference_logits.sigmoid().expand(b, -1, -1)
+        denoise = None
+        if self.training and self.hparams.denoise_groups and "boxes" in batch:
+            denoise = denoising_queries(
+                batch["boxes"], batch["labels"], self.hparams.denoise_groups, len(self.reference_logits),
+                self.head.low, self.head.extent,
+            )  # fmt: skip
+        if denoise is not None:
+            reference = torch.cat([denoise.reference, reference], 1)
+        query_pos = self.query_embedding(sine_embedding(reference, self.hparams.embed_dims // 2))
         x, hidden = torch.zeros_like(query_pos), []
         for layer in self.layers:
-            x = layer(x, query_pos, keys, values)
+            x = layer(x, query_pos, keys, values, None if denoise is None else denoise.mask)
             hidden.append(x)
-        return self.head(torch.stack(hidden), reference)
+        return self.head(torch.stack(hidden), reference, denoise)

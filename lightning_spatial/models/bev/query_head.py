@@ -14,6 +14,7 @@ from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 from . import boxes as box_code
+from .denoise import Denoising
 from .geometry import inverse_sigmoid
 from .losses import sigmoid_focal_loss
 
@@ -45,13 +46,21 @@ class QueryHead(nn.Module):
         self.register_buffer("extent", r[3:] - r[:3], persistent=False)
         self.max_detections, self.cls_weight, self.box_weight = max_detections, cls_weight, box_weight
 
-    def forward(self, hidden: torch.Tensor, reference: torch.Tensor) -> dict[str, torch.Tensor]:
-        """hidden (L, B, Q, C) from every decoder layer, reference (Q, 3) in [0, 1] -> logits (L, B, Q, K)
-        and box codes (L, B, Q, 10)."""
+    def forward(self, hidden: torch.Tensor, reference: torch.Tensor, denoise: Denoising | None = None) -> dict:
+        """hidden (L, B, Q, C) from every decoder layer, reference (B, Q, 3) in [0, 1] -> logits (L, B, Q, K)
+        and box codes (L, B, Q, 10); the first queries' outputs go to "denoise" (logits, codes, ``denoise``)."""
         hidden = self.norm(hidden)
         delta = self.regress(hidden)
         centre = (delta[..., :3] + inverse_sigmoid(reference)).sigmoid() * self.extent + self.low
-        return {"logits": self.classify(hidden), "codes": torch.cat([centre, delta[..., 3:]], -1)}
+        logits, codes = self.classify(hidden), torch.cat([centre, delta[..., 3:]], -1)
+        if denoise is None:
+            return {"logits": logits, "codes": codes}
+        p = denoise.labels.shape[1]
+        return {
+            "logits": logits[:, :, p:],
+            "codes": codes[:, :, p:],
+            "denoise": (logits[:, :, :p], codes[:, :, :p], denoise),
+        }
 
     @torch.no_grad()
     def _cost(self, logits, codes, targets, labels, alpha: float = 0.25, gamma: float = 2.0):
@@ -88,8 +97,27 @@ class QueryHead(nn.Module):
             cls = self.cls_weight * sigmoid_focal_loss(logits, classes) / num_boxes
             box = self.box_weight * ((codes[batch, query] - matched_codes).abs() * weights).sum() / num_boxes
             terms.append((cls, box))
-        cls, box = terms[-1]
-        return {"loss": sum(c + b for c, b in terms), "loss_cls": cls, "loss_box": box}
+        losses = {"loss": sum(c + b for c, b in terms), "loss_cls": terms[-1][0], "loss_box": terms[-1][1]}
+        if "denoise" in outputs:
+            losses["loss_denoise"] = self.denoise_loss(*outputs["denoise"])
+            losses["loss"] = losses["loss"] + losses["loss_denoise"]
+        return losses
+
+    def denoise_loss(self, logits, codes, denoise: Denoising) -> torch.Tensor:
+        """The denoising queries' terms, summed over layers: focal loss normalised by the positive queries, L1
+        towards each query's own box (positive or not, as StreamPETR) normalised by the real queries."""
+        real, labels = denoise.real, denoise.labels
+        classes = torch.zeros_like(logits[0])
+        positive = labels >= 0
+        classes[positive, labels[positive]] = 1
+        target = box_code.encode(denoise.boxes[real].float())
+        weights = codes.new_tensor(box_code.CODE_WEIGHTS)
+        total = 0
+        for layer_logits, layer_codes in zip(logits, codes):
+            cls = sigmoid_focal_loss(layer_logits[real], classes[real]) / positive.sum().clamp(min=1)
+            box = ((layer_codes[real] - target).abs() * weights).sum() / real.sum().clamp(min=1)
+            total = total + self.cls_weight * cls + self.box_weight * box
+        return total
 
     @torch.no_grad()
     def decode(self, outputs) -> list[dict[str, torch.Tensor]]:
