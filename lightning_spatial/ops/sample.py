@@ -128,12 +128,14 @@ def _unnormalize(coord, n: int, align: bool):
 
 def _pad(real, n: int, padding: str, align: bool):
     """torch's compute_coordinates. Its gradient, like torch's ``_set_grad`` twin, is zero on and beyond a border
-    (clamp's is zero on its bounds; a reflected point on a bound is clamped there)."""
+    (a reflected point on a bound is clamped there)."""
     if padding == "zeros":
         return real
     if padding == "reflection":
         real = _reflect(real, 0, 2 * (n - 1)) if align else _reflect(real, -1, 2 * n - 1)
-    return real.clamp(0, n - 1)
+    # not real.clamp: its gradient on the bounds differs across torch releases (0 in 2.14; on 2.11 four of our
+    # grid_sample tests failed on the grid's gradient); the kernel's is 0
+    return torch.where((real > 0) & (real < n - 1), real, real.detach().clamp(0, n - 1))
 
 
 def _reflect(real, twice_low: int, twice_high: int):
