@@ -351,12 +351,15 @@ def _fused_kernel_case(device: str, dtype: torch.dtype):
 def test_the_fused_kernels_backward_meets_the_merged_output_in_their_own_layout(device, dtype, tmp_path, monkeypatch):
     import torch.distributed as dist
 
+    import lightning_spatial.layout as layout
     import lightning_spatial.ops.attention as attention
 
     calls = []
     forward = attention._ShardedKeys.forward
     monkeypatch.setattr(attention._ShardedKeys, "forward", lambda *a: calls.append(1) or forward(*a))
-    # one rank, in this process: a forked child could not use CUDA after the parent asked for devices
+    # one rank, in this process: a forked child could not use CUDA after the parent asked for devices. Its group
+    # must not outlive the test in the axis registry: a later forked rank would inherit it and hang freeing it
+    monkeypatch.setattr(layout, "_GROUPS", {})
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         _fused_kernel_case(device, dtype)
