@@ -178,7 +178,7 @@ def _saved_tensors(fn) -> Iterator[torch.Tensor]:
 @lru_cache(maxsize=None)
 def _saved_names(node: type) -> tuple[str, ...]:
     """A C++ autograd node's saved-value attributes (``_saved_result``, ``_saved_self``, ...), per node type."""
-    return tuple(n for n in dir(node) if n.startswith("_saved_") and not n.endswith("_raw"))
+    return tuple(n for n in dir(node) if n.startswith("_saved_"))
 
 
 def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:
