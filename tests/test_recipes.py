@@ -263,3 +263,18 @@ def test_image_folder_demo_trains_sharded_at_each_files_resolution(tmp_path):
     height, width, local = (int(n) for n in image)
     assert (height, width) in {(64, 64), (50, 75), (38, 56), (53, 80), (46, 46), (109, 125)}  # a photo's own size
     assert local == (width + 1) // 2
+
+
+@pytest.mark.slow
+def test_bev_experiment_scores_the_untrained_model_first(tmp_path):
+    """experiment=bev_cpu (shortened) with validate_first=true: the untrained model's detection scores are printed
+    and logged at step 0, before the training steps, and the final line has val_mAP and val_NDS."""
+    toy = ("experiment=bev_cpu", "data.num_samples=8", "data.val_samples=4", "trainer.max_epochs=1")
+    out = run("validate_first=true", tmp_path=tmp_path, toy=toy)
+    untrained = re.findall(r"untrained metrics: (\{.*\})", out)  # printed after the progress bar's start
+    assert len(untrained) == 1 and "'val_mAP'" in untrained[0] and "'val_NDS'" in untrained[0], out[-3000:]
+    (metrics,) = final_metrics(out)
+    assert 0 <= metrics["val_mAP"] <= 1 and 0 <= metrics["val_NDS"] <= 1
+    rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
+    scored = [int(r["step"]) for r in rows if r.get("val_NDS")]
+    assert scored[0] == 0 and len(scored) == 2, scored  # before training, then after its 2 steps
