@@ -352,7 +352,7 @@ def test_the_fused_kernels_backward_meets_the_merged_output_in_their_own_layout(
 
     calls = []
     forward = attention._ShardedKeys.forward
-    monkeypatch.setattr(attention._ShardedKeys, "forward", lambda *a: calls.append(1) or forward(*a))
+    monkeypatch.setattr(attention._ShardedKeys, "forward", lambda *a: calls.append(a[1:4]) or forward(*a))
     # one rank, in this process: a forked child could not use CUDA after the parent asked for devices. Its group
     # must not outlive the test in the axis registry: a later forked rank would inherit it and hang freeing it
     monkeypatch.setattr(layout, "_GROUPS", {})
@@ -362,3 +362,5 @@ def test_the_fused_kernels_backward_meets_the_merged_output_in_their_own_layout(
     finally:
         dist.destroy_process_group()
     assert calls, "the sharded-keys path did not run"
+    # the tokens' channels are strided here; torch 2.11's CPU flash kernel silently misreads such rows (2.14's not)
+    assert all(t.stride(-1) == 1 for t in calls[0]), [t.stride() for t in calls[0]]
