@@ -38,6 +38,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
     p.add_argument("--compression", default="none", help="horovod: none | fp16")
+    p.add_argument("--fusion-mb", type=float, default=None, help="horovod: tensor fusion buffer (MiB)")
+    p.add_argument("--cycle-ms", type=float, default=None, help="horovod: cycle time (ms)")
+    p.add_argument("--groups", type=int, default=None, help="horovod: grouped all-reduce in this many groups")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--accelerator", default="gpu")
@@ -109,7 +112,10 @@ def strategy(args):
     if args.strategy == "spatial_tp":
         return SpatialParallelStrategy(args.spatial or None)
     if args.strategy == "horovod":
-        return HorovodStrategy(compression=args.compression)
+        fusion = None if args.fusion_mb is None else int(args.fusion_mb * 2**20)
+        return HorovodStrategy(
+            compression=args.compression, fusion_threshold_bytes=fusion, cycle_time_ms=args.cycle_ms, groups=args.groups
+        )
     return {"single": "auto", "ddp": "ddp"}[args.strategy]
 
 

@@ -14,11 +14,13 @@ case "${1:-memory}" in
     B="python3 recipes/benchmark.py --model petr --cameras 6 --batch 1 --out $OUT --steps 3 --warmup 2"
     $B --height 512 --widths 1408 --spatial 4,8 --precisions fp32,bf16
     $B --height 900 --widths 1600 --spatial 4,8 --precisions fp32
-    "$BIN/torchrun" --standalone --nproc-per-node 2 recipes/benchmark.py --model petr --cameras 6 --batch 1 \
-      --out "$OUT" --steps 3 --warmup 2 --height 512 --widths 1408 --spatial 2 --precisions fp32,bf16 ;;
+    for size in "512 --widths 1408" "900 --widths 1600"; do
+      "$BIN/torchrun" --standalone --nproc-per-node 2 recipes/benchmark.py --model petr --cameras 6 --batch 1 \
+        --out "$OUT" --steps 3 --warmup 2 --height $size --spatial 2 --precisions fp32,bf16
+    done ;;
   train)
-    "$BIN/torchrun" --standalone --nproc-per-node 2 recipes/train.py experiment=petr_convnext \
-      trainer.max_time="00:00:${MINUTES:-6}:00" trainer.enable_progress_bar=false out=/tmp/petr_convnext \
+    "$BIN/torchrun" --standalone --nproc-per-node 2 recipes/train.py experiment=petr_convnext validate_first=true \
+      trainer.max_time="00:00:$(printf %02d "${MINUTES:-6}"):00" trainer.enable_progress_bar=false out=/tmp/petr_convnext \
       hydra.run.dir=/tmp/petr_convnext 2>&1 | grep -v "Warning\|warn(" | tail -40
     cp /tmp/petr_convnext/csv/metrics.csv "$OUT/petr_convnext_metrics.csv" ;;
 esac

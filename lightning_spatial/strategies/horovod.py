@@ -52,6 +52,8 @@ class HorovodStrategy(ParallelStrategy):
         compression: ``"none"`` or ``"fp16"`` gradient compression for the all-reduce.
         fusion_threshold_bytes: Horovod's tensor fusion buffer (``HOROVOD_FUSION_THRESHOLD``).
         cycle_time_ms: Horovod's cycle time (``HOROVOD_CYCLE_TIME``).
+        groups: reduce the gradients in this many explicit groups (Horovod's grouped all-reduce: one
+            negotiation per group instead of per tensor, each group sent once all its gradients are ready).
         timeline: write a Horovod timeline (``HOROVOD_TIMELINE``) to this path.
     """
 
@@ -67,10 +69,13 @@ class HorovodStrategy(ParallelStrategy):
         compression: Literal["none", "fp16"] = "none",
         fusion_threshold_bytes: int | None = None,
         cycle_time_ms: float | None = None,
+        groups: int | None = None,
         timeline: str | None = None,
     ) -> None:
         if compression not in ("none", "fp16"):
             raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
+        if groups is not None and groups < 1:
+            raise ValueError(f"groups must be a positive number of gradient groups or None, got {groups!r}")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -80,6 +85,7 @@ class HorovodStrategy(ParallelStrategy):
         )
         self.scale_lr_by_world_size = scale_lr_by_world_size
         self.compression = compression
+        self.groups = groups
         self._env = {
             "HOROVOD_FUSION_THRESHOLD": fusion_threshold_bytes,
             "HOROVOD_CYCLE_TIME": cycle_time_ms,
@@ -190,6 +196,7 @@ class HorovodStrategy(ParallelStrategy):
                     (n, p) for n, p in params.items() if any(p is q for g in opt.param_groups for q in g["params"])
                 ],
                 compression=compression,
+                groups=self.groups,
                 backward_passes_per_step=self._accumulate,
             )
             for opt in optimizers

@@ -115,6 +115,14 @@ def test_horovod_gradient_accumulation(tmp_path):
 
 @pytest.mark.slow
 @needs_horovod
+def test_grouped_allreduce_reaches_the_single_device_weights(tmp_path):
+    """Horovod's grouped all-reduce (3 groups of gradients) changes when gradients travel, not what arrives."""
+    ours = as_model(train(tmp_path, "--groups", "3"))
+    assert_same_weights(ours, single_device(4, 4))
+
+
+@pytest.mark.slow
+@needs_horovod
 def test_horovod_trains_petr_to_the_single_device_weights(tmp_path):
     """Two Horovod ranks with 1 sample each reach the weights of one device with both samples (float64): the
     box count normalising the losses is averaged over the replicas, as DETR does."""
@@ -188,6 +196,8 @@ def test_horovod_without_pytorch_support_says_how_to_rebuild(monkeypatch):
 def test_strategy_options_are_validated():
     with pytest.raises(ValueError, match="compression must be 'none' or 'fp16'"):
         HorovodStrategy(compression="int8")
+    with pytest.raises(ValueError, match="groups must be a positive number"):
+        HorovodStrategy(groups=0)
 
 
 @pytest.mark.slow

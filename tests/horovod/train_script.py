@@ -24,13 +24,17 @@ def main() -> None:
     p.add_argument("--accelerator", default="cpu", help="gpu: NCCL (plain fp32: TF32 off, as the reference)")
     p.add_argument("--compression", default="none")
     p.add_argument("--fusion-threshold", type=int, default=None)
+    p.add_argument("--groups", type=int, default=None)
     p.add_argument("--trace", default=None, help="Horovod timeline path (horovodrun claims --timeline)")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     model = LitModel("convnext_atto")
     strategy = lightning_spatial.HorovodStrategy(
-        compression=args.compression, fusion_threshold_bytes=args.fusion_threshold, timeline=args.trace
+        compression=args.compression,
+        fusion_threshold_bytes=args.fusion_threshold,
+        groups=args.groups,
+        timeline=args.trace,
     )
     trainer = L.Trainer(
         accelerator=args.accelerator,

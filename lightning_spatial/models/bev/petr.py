@@ -4,8 +4,8 @@ transformer decoder cross-attends from learnable 3-D reference-point queries to 
 PETRv2 options: ``temporal=True`` adds the previous frame's tokens (their embedding from the ego-motion
 aligned ``prev_lidar2img``); ``feature_guided_pe=True`` gates the embedding per pixel with a sigmoid of an MLP
 of the image features. ``denoise_groups=G`` trains G groups of query-denoising queries beside the matching ones
-(DN-DETR, as StreamPETR: ``denoise.py``). Tiny: ``PETR.tiny()``; the defaults are paper-sized (ConvNeXt-B, 256 dims, 6 layers,
-900 queries, 64 depth bins).
+(DN-DETR, as StreamPETR: ``denoise.py``). Tiny: ``PETR.tiny()``; the defaults are paper-sized (ConvNeXt-B, 256
+dims, 6 layers, 900 queries, 64 depth bins).
 """
 
 from __future__ import annotations
