@@ -9,7 +9,8 @@ python recipes/train.py experiment=bev_cpu                # PETR on synthetic su
 
 The run directory (``out``) receives checkpoints/, csv/metrics.csv, tensorboard/ and plots/metrics.png; the
 ``SpatialSummary`` callback prints the mesh and shards at the start and speed, memory and paths at the end.
-``validate_first=true`` validates the untrained model first (the baseline for the final metrics).
+``validate_first=true`` validates the untrained model first (the baseline for the final metrics);
+``ckpt_path=<out>/checkpoints/last.ckpt`` resumes an earlier run (weights, optimizer, step, loops).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
     if cfg.validate_first:  # the untrained model's metrics: the baseline to read the final ones against
         trainer.callbacks.append(ValidateFirst())
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=cfg.ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     csv_logs = [Path(lg.log_dir) / "metrics.csv" for lg in trainer.loggers if isinstance(lg, CSVLogger)]
     if trainer.is_global_zero and csv_logs and csv_logs[0].exists():

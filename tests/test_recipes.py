@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = [
@@ -278,3 +279,19 @@ def test_bev_experiment_scores_the_untrained_model_first(tmp_path):
     rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
     scored = [int(r["step"]) for r in rows if r.get("val_NDS")]
     assert scored[0] == 0 and len(scored) == 2, scored  # before training, then after its 2 steps
+
+
+@pytest.mark.slow
+def test_a_run_resumes_from_its_last_checkpoint(tmp_path):
+    """ckpt_path=<out>/checkpoints/last.ckpt (2 spatial ranks): the second run continues the first one's steps
+    and epochs instead of starting over."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    run(tmp_path=first)  # toy: 8 samples in batches of 4, one epoch: 2 steps
+    last = first / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 2
+    run(f"ckpt_path={last}", "trainer.max_epochs=2", tmp_path=second)
+    resumed = torch.load(second / "checkpoints" / "last.ckpt", weights_only=False)
+    assert (resumed["global_step"], resumed["epoch"]) == (4, 1)
+    logged = {row["epoch"] for row in csv.DictReader((second / "csv" / "metrics.csv").open())}
+    assert logged == {"1"}, logged  # the second run trained the second epoch only
