@@ -22,6 +22,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
 import torch
+from torch._guards import TracingContext
 from torch.compiler import is_compiling
 from torch.multiprocessing.reductions import reduce_tensor
 from torch.utils._pytree import tree_flatten, tree_map
@@ -62,12 +63,18 @@ class SpatialTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if is_compiling():  # dynamo is reading a shard: its graph would be guarded on the shard's sizes
+        if _compiling():  # dynamo is reading a shard: its graph would be guarded on the shard's sizes
             raise RuntimeError(_NOT_COMPILABLE)
         handler = HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **(kwargs or {}))
         return fallback(func, args, kwargs or {})
+
+
+def _compiling() -> bool:
+    """Dynamo is tracing: torch 2.14 calls us then with ``is_compiling()`` true; torch 2.11 calls us from its own
+    machinery (fake tensors, attribute reads) with it false, inside its tracing context."""
+    return is_compiling() or TracingContext.try_get() is not None
 
 
 def _rebuild(rebuild: Callable, args: tuple, layout: Layout) -> SpatialTensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,14 +35,20 @@ def test_overloads_bind_as_torch_parses_them():
     assert _bound(torch.Tensor.norm, x, 1, 0) == {"p": 1, "dim": 0, "keepdim": False, "dtype": None}
 
 
-def test_a_call_torch_rejects_raises_torch_error():
+@pytest.mark.parametrize(
+    "func, args, kwargs",
+    [
+        (torch.var, ("a",), {}),  # 2.14: "invalid combination of arguments"; 2.11: a dim name not found
+        (torch.softmax, (True,), {}),  # a bool is not a dim
+        (F.interpolate, (), {"bogus": 2}),
+    ],
+)
+def test_a_call_torch_rejects_raises_torch_error(func, args, kwargs):
     x = torch.randn(2, 3)
-    with pytest.raises(TypeError, match="invalid combination of arguments"):
-        Binding(torch.var).bind((x, "a"), {})
-    with pytest.raises(TypeError, match=r"argument .dim. \(position 2\) must be int, not bool"):
-        Binding(torch.softmax).bind((x, True), {})  # a bool is not a dim
-    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
-        Binding(F.interpolate).bind((x,), {"bogus": 2})
+    with pytest.raises(Exception) as torch_says:
+        func(x, *args, **kwargs)
+    with pytest.raises(type(torch_says.value), match=re.escape(str(torch_says.value))):
+        Binding(func).bind((x, *args), kwargs)
 
 
 def test_out_is_refused_before_any_communication():
