@@ -37,6 +37,7 @@ import torch.distributed as dist
 from lightning_spatial import Axis, SpatialDims
 from lightning_spatial.halo import HaloStats
 from lightning_spatial.layout import DimShard, Layout, partition
+from lightning_spatial.strategies.spatial import gradients_laid_out_like_parameters
 from lightning_spatial.tensor import wrap
 
 GIB = 2**30
@@ -194,6 +195,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         shards.append(DimShard(-1, Axis.from_group(mesh.get_group("spatial_w")), width))
     layout_obj = Layout(tuple(shards)) if shards else None
     model, opt = build(task, device, ckpt)
+    gradients_laid_out_like_parameters(model)  # as spatial_tp does: no stride warning or gradient copy in DDP
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
     )  # gradients live in the buckets: no second copy of 1.3 GB of gradients

@@ -206,9 +206,7 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        for param in self.model.parameters():
-            if param.requires_grad and param.dim() > 1 and 1 in param.shape:
-                param.register_hook(_laid_out_like(param))
+        gradients_laid_out_like_parameters(self.model)
         super().configure_ddp()
         state, hook, wrapper = self._user_comm_hook
         if hook is None:
@@ -297,6 +295,14 @@ class SpatialParallelStrategy(DDPStrategy):
         strategy_registry.register(
             "spatial_tp_fork", cls, description="spatial_tp with the fork start method", start_method="fork"
         )
+
+
+def gradients_laid_out_like_parameters(module: torch.nn.Module) -> None:
+    """Before wrapping ``module`` in DDP: gradients that differ from their parameter's strides only on size-1 dims
+    get the parameter's (see ``_laid_out_like``), so DDP neither warns nor copies them."""
+    for param in module.parameters():
+        if param.requires_grad and param.dim() > 1 and 1 in param.shape:
+            param.register_hook(_laid_out_like(param))
 
 
 def _laid_out_like(param: torch.Tensor):
