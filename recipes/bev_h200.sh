@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # BEV on H200s (docs/benchmarks.md, docs/bev.md): the camera-token attention and PETR memory, then PETR training.
 #   bash recipes/bev_h200.sh memory     # one GPU (fake group for S>1) and 2 GPUs over NCCL: rows to $OUT
-#   bash recipes/bev_h200.sh train      # experiment=petr_convnext on 2 GPUs for ${MINUTES:-6} minutes
+#   bash recipes/bev_h200.sh train      # experiment=petr_convnext on 2 GPUs for ${MINUTES:-6} minutes; called again on
+#                                       # the warm machine it resumes (MINUTES=15, 24, ...: the total over the calls)
 set -uo pipefail  # a failed stage does not stop the next
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)"
 OUT=${OUT:-.}
@@ -19,8 +20,11 @@ case "${1:-memory}" in
         --out "$OUT" --steps 3 --warmup 2 --height $size --spatial 2 --precisions fp32,bf16
     done ;;
   train)
+    # a warm machine keeps the run: the next call resumes from its last checkpoint (the time limit counts all calls)
+    last=/tmp/petr_convnext/checkpoints/last.ckpt resume=()
+    [ -f "$last" ] && resume=("ckpt_path=$last")
     "$BIN/torchrun" --standalone --nproc-per-node 2 recipes/train.py experiment=petr_convnext validate_first=true \
       trainer.max_time="00:00:$(printf %02d "${MINUTES:-6}"):00" trainer.enable_progress_bar=false out=/tmp/petr_convnext \
-      hydra.run.dir=/tmp/petr_convnext 2>&1 | grep -v "Warning\|warn(" | tail -40
+      hydra.run.dir=/tmp/petr_convnext "${resume[@]}" 2>&1 | grep -v "Warning\|warn(" | tail -40
     cp /tmp/petr_convnext/csv/metrics.csv "$OUT/petr_convnext_metrics.csv" ;;
 esac
