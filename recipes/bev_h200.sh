@@ -25,6 +25,7 @@ case "${1:-memory}" in
     [ -f "$last" ] && resume=("ckpt_path=$last")
     "$BIN/torchrun" --standalone --nproc-per-node 2 recipes/train.py experiment=petr_convnext validate_first=true \
       trainer.max_time="00:00:$(printf %02d "${MINUTES:-6}"):00" trainer.enable_progress_bar=false out=/tmp/petr_convnext \
-      hydra.run.dir=/tmp/petr_convnext "${resume[@]}" 2>&1 | grep -v "Warning\|warn(" | tail -40
+      hydra.run.dir=/tmp/petr_convnext "${resume[@]}" 2>&1 | tee "$OUT/petr_convnext_train.log" |
+      grep -v "Warning\|warn(" | tail -40  # the whole log comes back: a rank's traceback too
     cp /tmp/petr_convnext/csv/metrics.csv "$OUT/petr_convnext_metrics.csv" ;;
 esac
