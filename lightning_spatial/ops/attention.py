@@ -62,11 +62,12 @@ def scaled_dot_product_attention(
         if dropout_p > 0:
             return _math(query, key, value, attn_mask, dropout_p, scale)
         return wrap(F.scaled_dot_product_attention(q, k, v, _local_mask(attn_mask, lq), scale=scale), lq)
+    if dropout_p > 0 or (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad):
+        return _math(query, key, value, attn_mask, dropout_p, scale)
     # the fused kernels want rows of unit stride: torch 2.11's CPU flash kernel reads strided ones wrongly, silently
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     bias, blind = _bias(_local_mask(attn_mask, Layout(moved_shards(lk.shards, -1))), q, k)
-    grad_mask = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
-    if dropout_p > 0 or grad_mask or not _fused(q, k, v, bias):
+    if not _fused(q, k, v, bias):
         return _math(query, key, value, attn_mask, dropout_p, scale)
     return _ShardedKeys.apply(q, k, v, bias, blind, scale, lk.shards)
 
