@@ -54,6 +54,8 @@ def main() -> None:
         Path(args.out, "checkpoint.txt").write_text(
             trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path
         )
+    if args.groups is not None:  # the option reached Horovod's optimizer (its grouped path ran)
+        assert all(opt._groups == args.groups for opt in trainer.strategy.optimizers), "groups did not reach Horovod"
     # every rank must hold the same weights, and report the same synchronised metrics
     gathered = trainer.strategy.all_gather(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(gathered[0], gathered[1]), "weights differ between Horovod ranks"
