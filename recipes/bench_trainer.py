@@ -41,6 +41,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fusion-mb", type=float, default=None, help="horovod: tensor fusion buffer (MiB)")
     p.add_argument("--cycle-ms", type=float, default=None, help="horovod: cycle time (ms)")
     p.add_argument("--groups", type=int, default=None, help="horovod: grouped all-reduce in this many groups")
+    p.add_argument("--async-completion", action="store_true", help="horovod: GPU ops complete on the stream")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--accelerator", default="gpu")
@@ -114,7 +115,11 @@ def strategy(args):
     if args.strategy == "horovod":
         fusion = None if args.fusion_mb is None else int(args.fusion_mb * 2**20)
         return HorovodStrategy(
-            compression=args.compression, fusion_threshold_bytes=fusion, cycle_time_ms=args.cycle_ms, groups=args.groups
+            compression=args.compression,
+            fusion_threshold_bytes=fusion,
+            cycle_time_ms=args.cycle_ms,
+            groups=args.groups,
+            async_completion=args.async_completion,
         )
     return {"single": "auto", "ddp": "ddp"}[args.strategy]
 

@@ -80,6 +80,7 @@ def parse() -> argparse.Namespace:
         default=",".join(name for name, *_ in PARTS),
         help="comma list of the grid's parts (convnext brings its one-GPU baselines); all by default",
     )
+    p.add_argument("--precisions", default="fp32,bf16", help="comma list: fp32, bf16 (the baselines follow)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args()
 
@@ -166,13 +167,10 @@ def run_parts(args, n: int, runner: Runner) -> None:
     one += [*CONVNEXT[1 if args.toy else 0].split(), *(TOY_STEPS if args.toy else BASELINE_STEPS).split()]
     # one GPU each, at the same time; on CPU one thread each, as torchrun gives each rank
     places = [{"CUDA_VISIBLE_DEVICES": g} for g in visible_gpus()[:2]] if not cpu else [{"OMP_NUM_THREADS": "1"}] * 2
-    wanted = args.parts.split(",")
+    wanted, precisions = args.parts.split(","), args.precisions.split(",")
     if "convnext" in wanted:
         runner.finish(
-            *[
-                runner.start(f"one_gpu_{p}", [*one, "--precisions", p], **env)
-                for p, env in zip(("fp32", "bf16"), places)
-            ]
+            *[runner.start(f"one_gpu_{p}", [*one, "--precisions", p], **env) for p, env in zip(precisions, places)]
         )
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), BENCH, *cpu]
     halves = (n, n // 2)  # D = 1 x S = N and D = 2 x S = N/2
@@ -189,7 +187,7 @@ def run_parts(args, n: int, runner: Runner) -> None:
             grid = ["--spatial", ",".join(map(str, halves)), "--layouts", ",".join(["width", *tile_shapes])]
         else:
             grid = ["--spatial", ",".join(str(s) for s in (8, 4, 2) if s <= n and n % s == 0), "--layouts", "width"]
-        cmd = [*launch, *size.split(), *steps.split(), *grid, "--precisions", "fp32,bf16", "--profile"]
+        cmd = [*launch, *size.split(), *steps.split(), *grid, "--precisions", args.precisions, "--profile"]
         runner.finish(runner.start(name, cmd))
 
 

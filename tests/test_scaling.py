@@ -79,3 +79,17 @@ def test_scaling_rehearsal_on_4_ranks(tmp_path):
     assert context["ranks"] == 4 and context["versions"]["torch"] and context["topology"]
     assert (tmp_path / "topology.txt").read_text().strip() == context["topology"]
     assert "model, input" in done.stdout and "fp32 1x4: efficiency" in done.stdout
+
+
+@pytest.mark.slow
+def test_scaling_one_part_one_precision(tmp_path):
+    """--parts / --precisions narrow the grid (a bf16 row on a short device call): its baseline comes along."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "scaling.py"), "--device", "cpu", "--gpus", "2", "--toy"]
+    cmd += ["--parts", "convnext", "--precisions", "bf16", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "scaling.json").read_text())
+    assert [(p["part"], p["rc"]) for p in result["parts"]] == [("one_gpu_bf16", 0), ("convnext", 0)]
+    grid = [(r["precision"], r["data"], r["spatial"]) for r in result["rows"]]
+    assert grid == [("bf16", 1, 1), ("bf16", 1, 2), ("bf16", 2, 1)]
+    assert result["rows"][1]["t1_ms"] == result["rows"][0]["shard_ms"]  # the bf16 baseline, not fp32's

@@ -55,6 +55,8 @@ class HorovodStrategy(ParallelStrategy):
         groups: reduce the gradients in this many explicit groups (Horovod's grouped all-reduce: one
             negotiation per group instead of per tensor, each group sent once all its gradients are ready).
         timeline: write a Horovod timeline (``HOROVOD_TIMELINE``) to this path.
+        async_completion: on GPUs, a finished all-reduce is ordered on the CUDA stream instead of waited for
+            by the host (``HOROVOD_ENABLE_ASYNC_COMPLETION``): the host keeps queueing kernels, as DDP does.
     """
 
     strategy_name = "horovod"
@@ -71,6 +73,7 @@ class HorovodStrategy(ParallelStrategy):
         cycle_time_ms: float | None = None,
         groups: int | None = None,
         timeline: str | None = None,
+        async_completion: bool = False,
     ) -> None:
         if compression not in ("none", "fp16"):
             raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
@@ -90,6 +93,7 @@ class HorovodStrategy(ParallelStrategy):
             "HOROVOD_FUSION_THRESHOLD": fusion_threshold_bytes,
             "HOROVOD_CYCLE_TIME": cycle_time_ms,
             "HOROVOD_TIMELINE": timeline,
+            "HOROVOD_ENABLE_ASYNC_COMPLETION": 1 if async_completion else None,
         }
         self._exit_stack: ExitStack | None = None
         self._hvd = None

@@ -142,10 +142,12 @@ needs_two_gpus = pytest.mark.skipif(
 
 @needs_horovod
 @needs_two_gpus
-def test_horovod_on_two_gpus_matches_one_gpu(tmp_path):
-    """NCCL: the same weights as one GPU on the same global batch (fp32, TF32 off on both sides)."""
+@pytest.mark.parametrize("options", [(), ("--async-completion",)], ids=["default", "async_completion"])
+def test_horovod_on_two_gpus_matches_one_gpu(tmp_path, options):
+    """NCCL: the same weights as one GPU on the same global batch (fp32, TF32 off on both sides), also when
+    all-reduces complete on the CUDA stream instead of on the host (async_completion)."""
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    ours = as_model(train(tmp_path, "--accelerator", "gpu", gloo=False))
+    ours = as_model(train(tmp_path, "--accelerator", "gpu", *options, gloo=False))
     assert_same_weights(ours, single_device(4, 4, accelerator="gpu"))
 
 

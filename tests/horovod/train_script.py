@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def main() -> None:
     p.add_argument("--compression", default="none")
     p.add_argument("--fusion-threshold", type=int, default=None)
     p.add_argument("--groups", type=int, default=None)
+    p.add_argument("--async-completion", action="store_true")
     p.add_argument("--trace", default=None, help="Horovod timeline path (horovodrun claims --timeline)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -35,6 +37,7 @@ def main() -> None:
         fusion_threshold_bytes=args.fusion_threshold,
         groups=args.groups,
         timeline=args.trace,
+        async_completion=args.async_completion,
     )
     trainer = L.Trainer(
         accelerator=args.accelerator,
@@ -54,6 +57,8 @@ def main() -> None:
         Path(args.out, "checkpoint.txt").write_text(
             trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path
         )
+    if args.async_completion:  # reached Horovod before its init
+        assert os.environ["HOROVOD_ENABLE_ASYNC_COMPLETION"] == "1"
     if args.groups is not None:  # the option reached Horovod's optimizer (its grouped path ran)
         assert all(opt._groups == args.groups for opt in trainer.strategy.optimizers), "groups did not reach Horovod"
     # every rank must hold the same weights, and report the same synchronised metrics
