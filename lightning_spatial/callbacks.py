@@ -22,7 +22,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from .tensor import SpatialTensor
 
@@ -209,12 +209,12 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _images(batch: Any) -> int:
-    """Images in the batch: the leading dims of the first image-like tensor, (B, C, H, W) or (B, N, C, H, W)."""
-    for leaf in tree_flatten_with_path(batch)[0]:
-        t = leaf[1]
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 4:
-            return math.prod(t.shape[:-3])
-    return 0
+    """Images in the batch: the leading dims of the largest image-like tensor, (B, C, H, W) or (B, N, C, H, W)
+    (the largest: camera matrices (B, N, 4, 4) are 4-d too)."""
+    images = [
+        t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 4
+    ]
+    return math.prod(max(images, key=torch.Tensor.numel).shape[:-3]) if images else 0
 
 
 def _local_shape(t: torch.Tensor) -> tuple[int, ...] | None:

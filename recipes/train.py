@@ -30,8 +30,10 @@ import lightning_spatial  # noqa: F401 - registers the "spatial_tp" strategy
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True)
-    model = instantiate(cfg.model)
-    data = instantiate(cfg.data)
+    # plain lists and dicts (not Hydra's containers) reach save_hyperparameters: checkpoints then load with
+    # torch.load's default weights_only=True, which resuming (ckpt_path=) uses
+    model = instantiate(cfg.model, _convert_="all")
+    data = instantiate(cfg.data, _convert_="all")
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
     if cfg.validate_first:  # the untrained model's metrics: the baseline to read the final ones against
         trainer.callbacks.append(ValidateFirst())

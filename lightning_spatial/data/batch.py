@@ -84,7 +84,7 @@ def collate_surround(samples: list[dict]) -> dict:
     if len(shapes) > 1:
         raise ValueError(f"collate_surround: samples disagree on images (N, 3, H, W): {sorted(shapes)}")
     batch = {key: [s[key] for s in samples] for key in _LISTS}
-    for key in samples[0].keys() - set(_LISTS):
+    for key in (k for k in samples[0] if k not in _LISTS):  # the sample's order: the same in every process
         stacked = torch.stack([s[key] for s in samples])
         batch[key] = normalise(stacked) if key.endswith("images") else stacked
     return batch

@@ -159,6 +159,16 @@ def test_hungarian_matching_finds_the_permutation():
         assert torch.equal(code, targets[j]) and label == labels[j]
 
 
+def test_diverged_predictions_fail_the_matching_with_a_way_out():
+    """A NaN box code (bf16 training that diverged) reaches the matching: a clear error, not scipy's own."""
+    head = QueryHead(16, 10, RANGE)
+    targets = box_code.encode(random_boxes(3, torch.Generator().manual_seed(3)))
+    codes, logits = torch.randn(1, 8, 10), torch.randn(1, 8, 10)
+    codes[0, 5, 2] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"sample 0: .*box codes finite: False.*lower learning rate"):
+        head.match(logits, codes, [targets], [torch.tensor([0, 1, 2])])
+
+
 # --- how each module assembles geometry and features ----------------------------------------------------
 
 

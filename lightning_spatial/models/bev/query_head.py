@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
@@ -77,6 +78,13 @@ class QueryHead(nn.Module):
         found = []
         for i, (target, label) in enumerate(zip(targets, labels)):
             cost = self._cost(logits[i].float(), codes[i].float(), target, label).cpu().numpy()
+            if not np.isfinite(cost).all():  # the matching syncs anyway: the check costs no extra wait
+                raise FloatingPointError(
+                    f"Hungarian matching of sample {i}: the predictions hold NaN or inf (logits finite: "
+                    f"{bool(logits[i].isfinite().all())}, box codes finite: {bool(codes[i].isfinite().all())}), "
+                    "so training has diverged. Resume from an earlier checkpoint with a lower learning rate "
+                    "(model.lr), a tighter trainer.gradient_clip_val, or trainer.precision=32-true"
+                )
             query, gt = (torch.as_tensor(a, device=logits.device) for a in linear_sum_assignment(cost))
             found.append((torch.full_like(query, i), query, target[gt], label[gt]))
         return [torch.cat(column) for column in zip(*found)]
