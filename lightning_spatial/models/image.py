@@ -59,7 +59,8 @@ class ImageTask(L.LightningModule):
         logits = self(batch["image"])
         target = batch["label"] if self.head is None else batch["mask"]
         loss = F.cross_entropy(logits, target)
-        self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=True)
+        # training values rank-local per step, validation synced per epoch (why: models/bev/base.py)
+        self.log(f"{stage}_loss", loss, sync_dist=stage != "train", prog_bar=True)
         if self.head is None:
             accuracy(logits, target)
             self.log(f"{stage}_acc", accuracy, prog_bar=True)

@@ -47,7 +47,10 @@ class BEVDetector(L.LightningModule):
         outputs = self(batch)
         losses = self.loss(outputs, batch)
         size = batch["images"].shape[0]
-        self.log_dict({f"{stage}_{k}": v for k, v in losses.items()}, batch_size=size, sync_dist=True)
+        # per-step training values stay rank-local (Lightning's default): syncing them is a collective per value
+        # per step, and Horovod's blocks the host until the forward has run; validation syncs once per epoch
+        sync = stage != "train"
+        self.log_dict({f"{stage}_{k}": v for k, v in losses.items()}, batch_size=size, sync_dist=sync)
         return outputs, losses["loss"]
 
     def training_step(self, batch, batch_idx):
