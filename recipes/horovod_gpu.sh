@@ -29,15 +29,11 @@ compare() {  # precision, then the Horovod variants: each a quoted list of bench
     done
   done
 }
+[ "${1:-all}" = build ] && exit 0
+python3 -m pytest -q -p no:cacheprovider tests/horovod -k "gpu" -rs 2>&1 | tail -15
 case "${1:-all}" in
-  build) exit 0 ;;
-  bf16)
-    python3 -m pytest -q -p no:cacheprovider tests/horovod -k "gpu" -rs 2>&1 | tail -5
-    compare bf16-mixed "" "--async-completion" ;;
-  *)
-    python3 -m pytest -q -p no:cacheprovider tests/horovod -k "gpu" -rs 2>&1 | tail -15
-    compare 32-true ""
-    compare bf16-mixed "" ;;
+  bf16) compare bf16-mixed "" "--async-completion" ;;
+  *) compare 32-true ""; compare bf16-mixed "" ;;
 esac
 python3 - "$OUT/bench_trainer.jsonl" <<'PY'
 import json, sys

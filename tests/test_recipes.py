@@ -40,6 +40,11 @@ def run(*overrides: str, tmp_path: Path, flags: tuple[str, ...] = (), toy: tuple
     return done.stdout
 
 
+def bev_toy(experiment: str) -> tuple[str, ...]:
+    """A CPU BEV experiment shortened to one epoch of 8 scenes in batches of 4 (2 steps), scored on 4."""
+    return (f"experiment={experiment}", "data.num_samples=8", "data.val_samples=4", "trainer.max_epochs=1")
+
+
 def final_metrics(out: str) -> list[dict[str, float]]:
     """Every ``final metrics: {...}`` line's values; each must be a finite number."""
     runs = [dict(re.findall(r"'(\w+)': ([^,}]+)", body)) for body in re.findall(r"final metrics: \{(.*)\}", out)]
@@ -271,8 +276,7 @@ def test_image_folder_demo_trains_sharded_at_each_files_resolution(tmp_path):
 def test_bev_experiment_scores_the_untrained_model_first(experiment, tmp_path):
     """The CPU BEV experiments (shortened) with validate_first=true: the untrained model's detection scores are
     printed and logged at step 0, before the training steps, and the final line has val_mAP and val_NDS."""
-    toy = (f"experiment={experiment}", "data.num_samples=8", "data.val_samples=4", "trainer.max_epochs=1")
-    out = run("validate_first=true", tmp_path=tmp_path, toy=toy)
+    out = run("validate_first=true", tmp_path=tmp_path, toy=bev_toy(experiment))
     untrained = re.findall(r"untrained metrics: (\{.*\})", out)  # printed after the progress bar's start
     assert len(untrained) == 1 and "'val_mAP'" in untrained[0] and "'val_NDS'" in untrained[0], out[-3000:]
     (metrics,) = final_metrics(out)
@@ -289,7 +293,7 @@ def test_a_run_resumes_from_its_last_checkpoint(tmp_path):
     saved as Hydra's ListConfig, torch.load's default weights_only=True refused the checkpoint on resume."""
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
-    toy = ("experiment=bev_cpu", "data.num_samples=8", "data.val_samples=4", "trainer.max_epochs=1")
+    toy = bev_toy("bev_cpu")
     run(tmp_path=first, toy=toy)  # 8 samples in batches of 4, one epoch: 2 steps
     last = first / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 2  # plain containers: loads without pickle
