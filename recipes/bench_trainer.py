@@ -148,6 +148,7 @@ def main() -> None:
         **{k: v for k, v in vars(args).items() if k != "out"},
         "world": trainer.world_size,
         "step_ms": statistics.median(timer.times),
+        "step_ms_range": [round(min(timer.times), 1), round(max(timer.times), 1)],
         "peak_gib_rank0": round(peak, 2),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

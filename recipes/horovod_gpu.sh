@@ -4,7 +4,8 @@
 # then time Horovod against DDP on the same 2 GPUs, same model and per-GPU batch.
 #   bash recipes/horovod_gpu.sh            # rows appended to $OUT/bench_trainer.jsonl, logs in $OUT/runs.log
 #   bash recipes/horovod_gpu.sh build      # only the build (a warm machine keeps it for the next call)
-#   bash recipes/horovod_gpu.sh bf16       # bf16 only: DDP, Horovod, Horovod with async_completion
+#   bash recipes/horovod_gpu.sh bf16       # bf16 only: DDP, Horovod, with async_completion, with a 0.1 ms cycle
+#   REPEATS=3 STEPS=20 bash recipes/horovod_gpu.sh bf16   # interleaved repeats: one run's median varies ~10%
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)"
 OUT=${OUT:-.}
@@ -19,27 +20,30 @@ fi
 B="recipes/bench_trainer.py --out $OUT --steps ${STEPS:-8} --warmup 2"
 MODELS=("convnext_large --batch 4 --height 512 --width 1024" "petr --batch 1 --height 512 --width 1408")
 compare() {  # precision, then the Horovod variants: each a quoted list of bench_trainer options
-  local precision=$1 model variant; shift
-  for model in "${MODELS[@]}"; do
+  local precision=$1 model variant rep; shift
+  for rep in $(seq "${REPEATS:-1}"); do for model in "${MODELS[@]}"; do  # repeats interleave: runs vary by ~10%
     "$BIN/torchrun" --standalone --nproc-per-node 2 $B --strategy ddp --model $model --precision $precision \
       >> "$OUT/runs.log" 2>&1 || echo "FAILED: ddp $model $precision"
     for variant in "$@"; do
       "$BIN/horovodrun" -np 2 -H localhost:2 python3 $B --strategy horovod --model $model --precision $precision \
         $variant >> "$OUT/runs.log" 2>&1 || echo "FAILED: horovod $model $precision $variant"
     done
-  done
+  done; done
 }
 [ "${1:-all}" = build ] && exit 0
 python3 -m pytest -q -p no:cacheprovider tests/horovod -k "gpu" -rs 2>&1 | tail -15
 case "${1:-all}" in
-  bf16) compare bf16-mixed "" "--async-completion" ;;
+  bf16) compare bf16-mixed "" "--async-completion" "--cycle-ms 0.1" ;;
   *) compare 32-true ""; compare bf16-mixed "" ;;
 esac
 python3 - "$OUT/bench_trainer.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-for r in rows:
-    knobs = " async" if r.get("async_completion") else ""
-    print(f"{r['strategy'] + knobs:14} {r['model']:15} {r['precision']:11} batch/GPU {r['batch']}  {r['step_ms']:8.1f} ms"
-          f"  {r['peak_gib_rank0']:6.2f} GiB  {r['device']} torch {r['torch']}")
+import collections, json, statistics, sys
+runs = collections.defaultdict(list)  # the median over repeated runs, and its ratio to DDP's on the same model
+for r in map(json.loads, open(sys.argv[1])):
+    knobs = "".join(f" {k}={r[k]}" for k in ("async_completion", "cycle_ms", "compression") if r.get(k) not in (None, False, "none"))
+    runs[r["model"], r["precision"], r["strategy"] + knobs].append(r["step_ms"])
+for (model, precision, name), times in runs.items():
+    ddp = statistics.median(runs.get((model, precision, "ddp"), [float("nan")]))
+    print(f"{name:30} {model:15} {precision:11} {statistics.median(times):7.1f} ms (runs: {len(times)}, "
+          f"{min(times):.1f}-{max(times):.1f})  {statistics.median(times) / ddp:.3f}x DDP")
 PY

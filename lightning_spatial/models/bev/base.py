@@ -65,8 +65,9 @@ class BEVDetector(L.LightningModule):
     def on_validation_epoch_end(self):
         if self.val_metric is None:
             return
-        result = self.val_metric.compute()
-        self.log_dict({f"val_{k}": v for k, v in result.items() if torch.as_tensor(v).numel() == 1})
+        result = self.val_metric.compute()  # the same on every rank: syncing is a no-op that silences Lightning
+        scalars = {f"val_{k}": v for k, v in result.items() if torch.as_tensor(v).numel() == 1}
+        self.log_dict(scalars, sync_dist=True)
         self.val_metric.reset()
 
     def predict_step(self, batch, batch_idx):
