@@ -201,6 +201,7 @@ def test_trainer_benchmark_under_torchrun(strategy, tmp_path):
     torchrun_2("bench_trainer.py", *args, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
     (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
     assert row["world"] == 2 and row["strategy"] == strategy and row["step_ms"] > 0
+    assert row["step_ms_range"][0] <= row["step_ms"] <= row["step_ms_range"][1]
 
 
 def test_dispatch_overhead_smoke():
