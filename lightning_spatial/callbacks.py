@@ -174,9 +174,10 @@ def _comm_hook(trainer: L.Trainer) -> list[str]:
 
 def _paths(trainer: L.Trainer) -> list[str]:
     lines = []
-    ckpt = trainer.checkpoint_callback
-    if ckpt is not None and getattr(ckpt, "best_model_path", ""):
-        lines.append(f"checkpoint: {ckpt.best_model_path}")
+    for ckpt in trainer.checkpoint_callbacks:
+        kind = f"best {ckpt.monitor}" if getattr(ckpt, "monitor", None) else "latest"
+        if getattr(ckpt, "best_model_path", ""):
+            lines.append(f"checkpoint ({kind}): {ckpt.best_model_path}")
         if getattr(ckpt, "last_model_path", "") and ckpt.last_model_path != ckpt.best_model_path:
             lines.append(f"checkpoint (last): {ckpt.last_model_path}")
     for logger in trainer.loggers:

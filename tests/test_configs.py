@@ -112,3 +112,34 @@ def test_bad_config_names_the_key_and_the_allowed_values(override, error, words,
     with pytest.raises(error) as raised:
         _instantiate(_compose(override, out=tmp_path))
     assert all(word in str(raised.value) for word in words), str(raised.value)
+
+
+class WorseningLoss(L.LightningModule):
+    """A module whose validation loss grows every epoch: the best checkpoint stays at the first epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", float(self.current_epoch) + self.layer(batch).mean().detach() * 0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_last_checkpoint_is_the_latest_state_when_the_loss_gets_worse(tmp_path):
+    """The trainer config's last.ckpt (what ckpt_path= resumes from) holds the latest step, not the best one:
+    Lightning's own save_last only rewrites last.ckpt when the monitored value improves, so a resume after
+    a worse validation silently went back to the best epoch's state."""
+    cfg = _compose("trainer.max_epochs=3", "trainer.devices=1", "trainer.logger=null", out=tmp_path)
+    trainer = instantiate(cfg.trainer, strategy="auto", enable_progress_bar=False)
+    data = torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2)
+    trainer.fit(WorseningLoss(), data, data)
+    checkpoints = tmp_path / "checkpoints"
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 6
+    (best,) = [p for p in checkpoints.iterdir() if p.name != "last.ckpt"]
+    assert best.name == "epoch=0-step=2.ckpt"

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -93,8 +94,10 @@ def test_train_recipe_shows_what_it_did(tmp_path):
     model_mib, saved_mib = (float(x) for x in re.findall(r"([\d.]+) MiB", state))
     (one,) = summary(out, "one device, same images (estimate")
     assert float(re.findall(r"([\d.]+) MiB", one)[-1]) > model_mib + saved_mib  # a second rank's activations
-    paths = {key: Path(summary(out, key)[0].split()[0]) for key in ("checkpoint", "logs (CSV)", "logs (TensorBoard)")}
-    assert paths["checkpoint"].suffix == ".ckpt" and paths["checkpoint"].exists()
+    keys = ("checkpoint (best val_loss)", "checkpoint (latest)", "logs (CSV)", "logs (TensorBoard)")
+    paths = {key: Path(summary(out, key)[0].split()[0]) for key in keys}
+    assert paths["checkpoint (best val_loss)"].suffix == ".ckpt" and paths["checkpoint (best val_loss)"].exists()
+    assert paths["checkpoint (latest)"].name == "last.ckpt" and paths["checkpoint (latest)"].exists()
     assert "val_loss" in paths["logs (CSV)"].read_text().splitlines()[0]
     assert any(p.name.startswith("events.out.tfevents") for p in paths["logs (TensorBoard)"].iterdir())
     assert Path(summary(out, "plots")[0]).read_bytes()[:4] == b"\x89PNG"
@@ -308,3 +311,31 @@ def test_a_run_resumes_from_its_last_checkpoint(tmp_path):
     assert (resumed["global_step"], resumed["epoch"]) == (4, 1)
     logged = {row["epoch"] for row in csv.DictReader((second / "csv" / "metrics.csv").open())}
     assert logged == {"1"}, logged  # the second run trained the second epoch only
+
+
+@pytest.mark.slow
+def test_petr_sweep_smoke(tmp_path):
+    """recipes/petr_sweep.sh on CPU: two variants side by side, two steps each; both logs, metrics and the
+    per-variant summary come back. No score is asserted."""
+    variants = tmp_path / "variants.txt"
+    variants.write_text("# comment lines are skipped\nq100_lr5e-4\nfew model.num_queries=30\n")
+    env = {
+        **os.environ,
+        "DEV": "cpu",
+        "ACC": "cpu",
+        "MINUTES": "5",
+        "VAL_EVERY": "1",
+        "OUT": str(tmp_path),
+        "RUNS": str(tmp_path / "runs"),
+        "EXTRA": "data.num_samples=8 data.val_samples=4 trainer.max_steps=2 data.num_workers=0",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / "recipes" / "petr_sweep.sh"), str(variants)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()}
+    assert set(lines) == {"q100_lr5e-4", "few"} and all(lines.values()), done.stdout
+    with tarfile.open(tmp_path / "sweep.tgz") as tar:
+        names = tar.getnames()
+    assert "runs/few/csv/metrics.csv" in names and "runs.q100_lr5e-4.log" in names, names
