@@ -15,7 +15,13 @@ from lightning_spatial.data import SurroundScenes, collate_surround
 from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
 from tests.strategy.test_equivalence import assert_same_weights
 
-MODELS = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV}
+MODELS = {
+    "petr": PETR.tiny,
+    # query denoising draws its jitter from the global RNG: every rank of a spatial group must draw the same
+    "petr_denoise": lambda: PETR.tiny(denoise_groups=2),
+    "lift_splat": LiftSplat.tiny,
+    "simple_bev": SimpleBEV.tiny,
+}
 
 
 def loader(replica: tuple[int, int] = (0, 1)) -> torch.utils.data.DataLoader:
@@ -30,7 +36,7 @@ def loader(replica: tuple[int, int] = (0, 1)) -> torch.utils.data.DataLoader:
 def train(name: str, strategy, devices: int, replica: tuple[int, int] = (0, 1)) -> L.LightningModule:
     """Two epochs in float64 on this data replica's samples (the loader's order: no sampler is injected)."""
     torch.manual_seed(0)
-    model = MODELS[name].tiny()
+    model = MODELS[name]()
     # SGD: AdamW divides each step by the gradient's running norm, so a parameter whose true gradient is zero
     # (PETR's position-embedding bias shifts every key alike: softmax ignores it) would move by +-lr on rounding
     # noise alone, and runs that only sum in another order would drift apart
