@@ -3,7 +3,7 @@
 # learn, given far more steps than a CPU run has (docs/bev.md, session 7). On the device tool's 2 GPUs:
 #   GPUS=2 MINUTES=7 bash recipes/petr_sweep.sh recipes/petr_sweep.txt    # one line per variant: name overrides...
 # Each run's log and metrics.csv go to $OUT/sweep.tgz; the summary prints val_mAP at every validation.
-# CPU smoke: DEV=cpu ACC=cpu EXTRA="trainer.max_steps=2" bash recipes/petr_sweep.sh variants.txt
+# CPU smoke: DEV=cpu ACC=cpu EXTRA="+trainer.max_steps=2" bash recipes/petr_sweep.sh variants.txt
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)" OMP_NUM_THREADS=2
 OUT=${OUT:-.} RUNS=${RUNS:-/tmp/petr_sweep} DEV=${DEV:-cuda:0} ACC=${ACC:-gpu}
@@ -12,15 +12,17 @@ common="experiment=bev_cpu strategy=single strategy.device=$DEV ~strategy.spatia
   trainer.devices=1 trainer.max_epochs=100000 +trainer.max_time=00:00:$(printf %02d "${MINUTES:-7}"):00
   +trainer.check_val_every_n_epoch=${VAL_EVERY:-5} trainer.enable_progress_bar=false trainer.log_every_n_steps=20
   data.num_workers=2 ${EXTRA:-}"
-i=0
+i=0 pids=() names=() failed=0
 mkdir -p "$RUNS"
 while read -r name args; do
   case "$name" in ""|\#*) continue ;; esac
   CUDA_VISIBLE_DEVICES=$((i % ${GPUS:-1})) python3 "$PYTHONPATH/recipes/train.py" $common $args out="$RUNS/$name" \
     hydra.run.dir="$RUNS/$name" > "$RUNS.$name.log" 2>&1 &
-  i=$((i + 1))
+  pids+=($!) names+=("$name") i=$((i + 1))
 done < "$1"
-wait
+for k in "${!pids[@]}"; do
+  wait "${pids[$k]}" || { failed=1; echo "FAILED: ${names[$k]}"; tail -5 "$RUNS.${names[$k]}.log"; }
+done
 tar czf "$OUT/sweep.tgz" --exclude=checkpoints --exclude=tensorboard -C "$(dirname "$RUNS")" "$(basename "$RUNS")" \
   $(cd "$(dirname "$RUNS")" && ls "$(basename "$RUNS")".*.log)
 python3 - "$RUNS" <<'PY'
@@ -29,3 +31,4 @@ for metrics in sorted(pathlib.Path(sys.argv[1]).glob("*/csv/metrics.csv")):
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("val_mAP")]
     print(f"{metrics.parts[-3]:20}", " ".join(f"{r['step']}:{float(r['val_mAP']):.3f}" for r in rows))
 PY
+exit $failed

@@ -327,7 +327,7 @@ def test_petr_sweep_smoke(tmp_path):
         "VAL_EVERY": "1",
         "OUT": str(tmp_path),
         "RUNS": str(tmp_path / "runs"),
-        "EXTRA": "data.num_samples=8 data.val_samples=4 trainer.max_steps=2 data.num_workers=0",
+        "EXTRA": "data.num_samples=8 data.val_samples=4 +trainer.max_steps=2 data.num_workers=0",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
     done = subprocess.run(
