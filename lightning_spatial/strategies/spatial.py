@@ -36,6 +36,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils._pytree import tree_map
@@ -130,6 +131,15 @@ class SpatialParallelStrategy(DDPStrategy):
         self._sync_batchnorm = False
         self._run: ExitStack | None = None
         self._described = False
+
+    @override
+    def _configure_launcher(self) -> None:
+        """Under torchrun or SLURM the processes exist already: each would otherwise fork ``devices`` more
+        (start_method "fork" or "spawn"), and their process groups could not form."""
+        if self.cluster_environment is not None and self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
