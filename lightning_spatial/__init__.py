@@ -7,7 +7,7 @@ StrategyRegistry.
 from __future__ import annotations
 
 from . import ops
-from .callbacks import SpatialSummary
+from .callbacks import LatestCheckpoint, SpatialSummary
 from .collectives import all_gather, all_reduce
 from .halo import fetch_window
 from .layout import Axis, DimShard, Layout, LayoutError, partition
@@ -35,6 +35,7 @@ __all__ = [
     "Axis",
     "DimShard",
     "HorovodStrategy",
+    "LatestCheckpoint",
     "Layout",
     "LayoutError",
     "SpatialDims",

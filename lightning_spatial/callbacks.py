@@ -1,5 +1,6 @@
-"""``SpatialSummary``: a Lightning callback that says what a run did, printed by rank 0.
+"""Lightning callbacks: ``SpatialSummary`` says what a run did; ``LatestCheckpoint`` keeps last.ckpt the latest.
 
+``SpatialSummary`` is printed by rank 0.
 At the first training batch: the mesh (data x spatial ranks) and every batch tensor with its global shape
 and, for sharded ones, each rank's shard shape. At the end of training: throughput, peak memory per rank
 next to an estimate of what one device would need for the same samples, and where the checkpoint and the
@@ -22,11 +23,28 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from .tensor import SpatialTensor
 
 MIB = 2**20
+
+
+class LatestCheckpoint(ModelCheckpoint):
+    """last.ckpt (what ``ckpt_path=`` resumes from) as the latest state: rewritten at every validation, whatever
+    the loss did (Lightning's ``save_last`` follows the monitored best), and when ``max_steps`` stops training
+    between validations (``max_time`` and early stopping validate as they stop), so a resume loses no steps."""
+
+    def __init__(self, dirpath: str | None = None, **kwargs: Any):
+        super().__init__(dirpath=dirpath, filename="last", monitor=None, **kwargs)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(trainer, *args, **kwargs)
+        # saved here, not at on_train_end: by then the loops count the epoch as done, and a resume would not train
+        stopping = trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step
+        if stopping and self._last_global_step_saved != trainer.global_step:
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 class SpatialSummary(L.Callback):

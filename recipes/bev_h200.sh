@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # BEV on H200s (docs/benchmarks.md, docs/bev.md): the camera-token attention and PETR memory, then PETR training.
 #   bash recipes/bev_h200.sh memory     # one GPU (fake group for S>1) and 2 GPUs over NCCL: rows to $OUT
-#   bash recipes/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on 2 GPUs for ${MINUTES:-6} minutes;
+#   bash recipes/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on ${GPUS:-2} GPUs (S = GPUS) for
+#                                       # ${MINUTES:-6} minutes;
 #                                       # called again on the warm machine it resumes (MINUTES=15, 24, ...: the total);
 #                                       # OVERRIDES="data.batch_size=4 model.num_queries=150": more Hydra overrides
 set -uo pipefail  # a failed stage does not stop the next
@@ -22,11 +23,12 @@ case "${1:-memory}" in
     done ;;
   train)
     # a warm machine keeps the run: the next call resumes from its last checkpoint (the time limit counts all calls)
-    name=${EXPERIMENT:-petr_convnext} run=/tmp/${EXPERIMENT:-petr_convnext} resume=()
+    name=${EXPERIMENT:-petr_convnext} run=/tmp/${EXPERIMENT:-petr_convnext} resume=() gpus=()
     [ -f "$run/checkpoints/last.ckpt" ] && resume=("ckpt_path=$run/checkpoints/last.ckpt")
-    "$BIN/torchrun" --standalone --nproc-per-node 2 recipes/train.py experiment="$name" validate_first=true \
+    [ -n "${GPUS:-}" ] && gpus=("trainer.devices=$GPUS" "strategy.spatial_size=$GPUS")
+    "$BIN/torchrun" --standalone --nproc-per-node "${GPUS:-2}" recipes/train.py experiment="$name" validate_first=true \
       ++trainer.max_time="00:00:$(printf %02d "${MINUTES:-6}"):00" trainer.enable_progress_bar=false out="$run" \
-      hydra.run.dir="$run" ${OVERRIDES:-} "${resume[@]}" 2>&1 | tee "$OUT/${name}_train.log" |
+      hydra.run.dir="$run" "${gpus[@]}" ${OVERRIDES:-} "${resume[@]}" 2>&1 | tee "$OUT/${name}_train.log" |
       grep -v "Warning\|warn(\|sync_dist=True" | tail -40  # the whole log comes back: a rank's traceback too
     cp "$run/csv/metrics.csv" "$OUT/${name}_metrics.csv" ;;
 esac

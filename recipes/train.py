@@ -22,6 +22,7 @@ import hydra
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 import lightning_spatial  # noqa: F401 - registers the "spatial_tp" strategy
@@ -37,10 +38,13 @@ def main(cfg: DictConfig) -> dict[str, float]:
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
     if cfg.validate_first:  # the untrained model's metrics: the baseline to read the final ones against
         trainer.callbacks.append(ValidateFirst())
+    csv_logs = [Path(lg.log_dir) / "metrics.csv" for lg in trainer.loggers if isinstance(lg, CSVLogger)]
+    earlier = read_rows(csv_logs[0]) if cfg.ckpt_path and csv_logs and rank_zero_only.rank == 0 else []
     trainer.fit(model, data, ckpt_path=cfg.ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    csv_logs = [Path(lg.log_dir) / "metrics.csv" for lg in trainer.loggers if isinstance(lg, CSVLogger)]
     if trainer.is_global_zero and csv_logs and csv_logs[0].exists():
+        if earlier:
+            prepend_rows(csv_logs[0], earlier)
         print(f"plots: {plot_metrics(csv_logs[0], Path(cfg.out) / 'plots' / 'metrics.png')}")
     print("final metrics:", {k: round(v, 4) for k, v in sorted(metrics.items())})
     return metrics
@@ -52,11 +56,32 @@ class ValidateFirst(L.Callback):
     the CSV logger of ``fit`` then starts a fresh metrics.csv without them)."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loop = trainer.fit_loop.epoch_loop.val_loop
+        # resumed from a checkpoint saved at a validation's end, the loop would count those batches as run and
+        # validate only what it thinks is left (one batch of two: other metrics than the saved weights give)
+        loop.restarting = False
         trainer.validating = True
-        trainer.fit_loop.epoch_loop.val_loop.run()
+        loop.run()
         trainer.training = True
         if trainer.is_global_zero:
             print("untrained metrics:", {k: round(float(v), 4) for k, v in sorted(trainer.callback_metrics.items())})
+
+
+def read_rows(metrics_csv: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(metrics_csv.open())) if metrics_csv.exists() else []
+
+
+def prepend_rows(metrics_csv: Path, earlier: list[dict[str, str]]) -> None:
+    """A resumed run's CSVLogger starts metrics.csv afresh (Lightning deletes the old one): put the earlier
+    run's rows back in front, up to the resumed run's first step (later ones were trained again)."""
+    rows = read_rows(metrics_csv)
+    first = min((int(r["step"]) for r in rows), default=None)
+    rows = [r for r in earlier if first is None or int(r["step"]) <= first] + rows
+    keys = sorted({k for r in rows for k in r} - {"epoch", "step"})
+    with metrics_csv.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=["epoch", "step", *keys])
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def plot_metrics(metrics_csv: Path, png: Path) -> Path:

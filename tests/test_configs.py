@@ -3,6 +3,7 @@ error that names the key and, where there is a list, the allowed values (Hydra's
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import lightning as L
@@ -143,3 +144,36 @@ def test_last_checkpoint_is_the_latest_state_when_the_loss_gets_worse(tmp_path):
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 6
     (best,) = [p for p in checkpoints.iterdir() if p.name != "last.ckpt"]
     assert best.name == "epoch=0-step=2.ckpt"
+
+
+def test_last_checkpoint_holds_the_step_where_training_stopped_between_validations(tmp_path):
+    """A run stopped by max_steps after step 5 validated last at step 4 (Lightning does not validate at that
+    stop): last.ckpt still holds step 5, and resuming from it continues there (one more step, mid-epoch)."""
+    cfg = _compose("trainer.max_epochs=3", "trainer.devices=1", "trainer.logger=null", out=tmp_path)
+    data = torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2)
+    first = instantiate(cfg.trainer, strategy="auto", enable_progress_bar=False, max_steps=5)
+    first.fit(WorseningLoss(), data, data)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 5
+    second = instantiate(cfg.trainer, strategy="auto", enable_progress_bar=False, max_steps=6)
+    model = WorseningLoss()
+    second.fit(model, data, data, ckpt_path=last)
+    assert (second.global_step, second.current_epoch) == (6, 3)
+    assert torch.load(last, weights_only=True)["global_step"] == 6
+
+
+class SlowSteps(WorseningLoss):
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.2)
+        return super().training_step(batch, batch_idx)
+
+
+def test_last_checkpoint_holds_the_step_where_the_time_limit_stopped(tmp_path):
+    """max_time stops inside the first epoch (10 steps of 0.2 s, 1 s allowed): Lightning validates as it stops,
+    so last.ckpt holds that step (a time-limited job on the device tool or SLURM resumes where it stopped)."""
+    cfg = _compose("trainer.devices=1", "trainer.logger=null", out=tmp_path)
+    data = torch.utils.data.DataLoader(torch.randn(20, 2), batch_size=2)
+    trainer = instantiate(cfg.trainer, strategy="auto", enable_progress_bar=False, max_time="00:00:00:01")
+    trainer.fit(SlowSteps(), data, data)
+    assert 0 < trainer.global_step < 10
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == trainer.global_step

@@ -299,20 +299,28 @@ def test_bev_experiment_scores_the_untrained_model_first(experiment, tmp_path):
 
 @pytest.mark.slow
 def test_a_run_resumes_from_its_last_checkpoint(tmp_path):
-    """ckpt_path=<out>/checkpoints/last.ckpt (2 spatial ranks): the second run continues the first one's steps
-    and epochs instead of starting over. The BEV experiment's hyperparameters hold lists (the point-cloud range):
-    saved as Hydra's ListConfig, torch.load's default weights_only=True refused the checkpoint on resume."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir(), second.mkdir()
-    toy = bev_toy("bev_cpu")
-    run(tmp_path=first, toy=toy)  # 8 samples in batches of 4, one epoch: 2 steps
-    last = first / "checkpoints" / "last.ckpt"
-    assert torch.load(last, weights_only=True)["global_step"] == 2  # plain containers: loads without pickle
-    run(f"ckpt_path={last}", "trainer.max_epochs=2", tmp_path=second, toy=toy)
-    resumed = torch.load(second / "checkpoints" / "last.ckpt", weights_only=False)
-    assert (resumed["global_step"], resumed["epoch"]) == (4, 1)
-    logged = {row["epoch"] for row in csv.DictReader((second / "csv" / "metrics.csv").open())}
-    assert logged == {"1"}, logged  # the second run trained the second epoch only
+    """A time-limited run resumed from <out>/checkpoints/last.ckpt in the same run directory (2 spatial ranks, as
+    bev_h200.sh does): the second run continues at the step where time ran out, validates first the very weights
+    the first run validated as it stopped (it used to run one validation batch of two: the restored loop counted
+    the saved batches as done), and metrics.csv keeps the first run's rows (Lightning's CSVLogger deleted them).
+    The BEV experiment's hyperparameters hold lists: saved as Hydra's ListConfig, weights_only=True refused them."""
+    toy = ("experiment=bev_cpu", "data.num_samples=256", "data.val_samples=8", "validate_first=true")
+    run("++trainer.max_time=00:00:00:03", tmp_path=tmp_path, toy=toy)  # stops inside the 64-step epoch
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    stopped = torch.load(last, weights_only=True)["global_step"]  # plain containers: loads without pickle
+    assert 0 < stopped < 64
+    metrics = tmp_path / "csv" / "metrics.csv"
+    first = list(csv.DictReader(metrics.open()))
+    run(f"ckpt_path={last}", "++trainer.max_time=null", f"+trainer.max_steps={stopped + 2}", tmp_path=tmp_path, toy=toy)
+    assert torch.load(last, weights_only=True)["global_step"] == stopped + 2
+    rows = list(csv.DictReader(metrics.open()))
+    trained = [int(r["step"]) for r in rows if r.get("train_loss")]
+    assert trained == sorted(set(trained)) and trained[-1] >= stopped, trained  # both runs' steps, each once
+    scored = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
+    before = [(int(r["step"]), float(r["val_loss"])) for r in first if r.get("val_loss")]
+    assert scored[0][0] == 0 and scored[: len(before)] == before, (before, scored)  # untrained, ..., at the stop
+    resumed = scored[len(before)][1]  # the second run's first validation: the weights saved at the stop
+    assert resumed == pytest.approx(before[-1][1], rel=1e-6), (before, scored)
 
 
 @pytest.mark.slow

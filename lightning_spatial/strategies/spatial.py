@@ -26,6 +26,7 @@ The hooks, each small:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import timedelta
@@ -130,19 +131,28 @@ class SpatialParallelStrategy(DDPStrategy):
         self.axes: dict[int, Axis] = {}
         self._sync_batchnorm = False
         self._run: ExitStack | None = None
+        self._in_process = False  # one rank, run in this process (no launcher): its process group ends with it
+        self._group_to_close = False
         self._described = False
 
     @override
     def _configure_launcher(self) -> None:
         """Under torchrun or SLURM the processes exist already: each would otherwise fork ``devices`` more
-        (start_method "fork" or "spawn"), and their process groups could not form."""
-        if self.cluster_environment is not None and self.cluster_environment.creates_processes_externally:
+        (start_method "fork" or "spawn"), and their process groups could not form. One process runs here: a
+        forked child whose parent ran OpenMP threads (GNU libgomp) can hang in its first parallel op."""
+        external = self.cluster_environment is not None and self.cluster_environment.creates_processes_externally
+        self._in_process = not external and self.num_processes * self.num_nodes == 1
+        if external:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        elif self._in_process:
+            self._launcher = _InProcessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
+        if self._in_process and not dist.is_initialized():
+            self._group_to_close = True  # (Lightning calls this twice: the second time the group exists)
         super().setup_environment()
         if self._spatial_size != "auto":
             self._build(
@@ -295,6 +305,9 @@ class SpatialParallelStrategy(DDPStrategy):
             self._run.close()
             self._run = None
         super().teardown()
+        if self._group_to_close:  # a later Trainer in this process may fork ranks of a larger world
+            dist.destroy_process_group()
+            self._group_to_close = False
 
     @classmethod
     @override
@@ -305,6 +318,21 @@ class SpatialParallelStrategy(DDPStrategy):
         strategy_registry.register(
             "spatial_tp_fork", cls, description="spatial_tp with the fork start method", start_method="fork"
         )
+
+
+class _InProcessLauncher(_SubprocessScriptLauncher):
+    """One rank, run in this process. Lightning's script launcher exports LOCAL_RANK, MASTER_PORT, ... for the
+    child scripts it would start; left behind, they made the next Trainer in this process (a notebook, a test)
+    believe torchrun had started its ranks, and it waited for ranks nobody started."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
+        saved = dict(os.environ)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def gradients_laid_out_like_parameters(module: torch.nn.Module) -> None:

@@ -410,3 +410,29 @@ def test_trainer_fits_validates_with_a_metric_and_predicts():
     predictions = trainer.predict(model, loader())
     assert len(predictions) == 2 and predictions[0][0]["boxes"].shape[1] == 9
     assert model.hparams.bev_size == (32, 32) and "metric" not in model.hparams
+
+
+@pytest.mark.parametrize("name", ["petr", "lift_splat", "simple_bev"])
+def test_warmup_ramps_the_learning_rate_per_step(name):
+    model = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV}[name].tiny(warmup_steps=4, lr=1e-3)
+    batches = [surround_batch(batch=1, cameras=2, seed=s) for s in range(6)]
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            seen.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    trainer = L.Trainer(
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[Record()],
+        limit_val_batches=0,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+    assert seen == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert model.hparams.warmup_steps == 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import timedelta
 
@@ -75,6 +76,25 @@ class CheckBatches(L.Callback):
 def test_batches_are_sharded_and_sampled_per_data_replica(devices):
     model = LitModel("segnet")
     trainer(devices, 2, callbacks=[CheckBatches(2, 24)]).fit(model, loader(Images(8, 16, 24), 2))
+
+
+def test_one_process_trains_in_this_process():
+    """A fork of one rank is not needed, and can hang: a child forked after OpenMP ran in its parent (libgomp)
+    waited forever in its first parallel op (seen with experiment=bev_cpu strategy.spatial_size=1)."""
+    pids = []
+
+    class RecordPid(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pids.append(os.getpid())
+
+    environ = dict(os.environ)
+    trainer(1, 1, max_epochs=1, callbacks=[RecordPid()]).fit(LitModel("segnet"), loader(Images(4, 16, 24), 2))
+    assert pids == [os.getpid()]
+    # its world of one ended with it, and the launcher's LOCAL_RANK, MASTER_PORT, ... left os.environ (with them
+    # the next Trainer took itself for a torchrun rank and waited for a second rank): the next may fork two
+    assert not dist.is_initialized() and dict(os.environ) == environ
+    fork_two = SpatialParallelStrategy(2, start_method="fork", timeout=timedelta(seconds=60))
+    trainer(2, strategy=fork_two, max_epochs=1).fit(LitModel("segnet"), loader(Images(4, 16, 24), 2))
 
 
 def test_validation_and_test_loops_log_what_single_device_logs():

@@ -1,7 +1,7 @@
 """What the three BEV detectors share as LightningModules: steps, logging, the optional metric, the optimizer.
 
-A subclass calls ``save_hyperparameters(ignore=["metric"])`` (with ``lr`` and ``weight_decay`` among its
-arguments), builds ``self.head`` (``loss(outputs, boxes, labels) -> dict`` whose "loss" entry is the total,
+A subclass calls ``save_hyperparameters(ignore=["metric"])`` (with ``lr``, ``weight_decay`` and ``warmup_steps``
+among its arguments), builds ``self.head`` (``loss(outputs, boxes, labels) -> dict`` whose "loss" entry is the total,
 ``decode(outputs) -> list of {"boxes", "scores", "labels"}``) and defines ``forward(batch) -> outputs``.
 """
 
@@ -74,7 +74,14 @@ class BEVDetector(L.LightningModule):
         return self.decode(self(batch))
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        warmup = self.hparams.warmup_steps
+        if not warmup:
+            return optimizer
+        # a linear ramp over the first steps (PETR's recipe): a transformer decoder trained from scratch at full
+        # rate from step 0 can diverge in bf16
+        ramp = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": ramp, "interval": "step"}}
 
 
 def as_range(point_cloud_range: Sequence[float]) -> tuple[float, ...]:

@@ -51,6 +51,7 @@ class LiftSplat(BEVDetector):
         max_detections: int = 300,
         lr: float = 2e-4,
         weight_decay: float = 0.01,
+        warmup_steps: int = 0,
         checkpoint_path: str | None = None,
         metric: torchmetrics.Metric | None = None,
     ):

@@ -119,6 +119,7 @@ class PETR(BEVDetector):
         max_detections: int = 300,
         lr: float = 2e-4,
         weight_decay: float = 0.01,
+        warmup_steps: int = 0,
         checkpoint_path: str | None = None,
         metric: torchmetrics.Metric | None = None,
     ):

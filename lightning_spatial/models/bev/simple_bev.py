@@ -49,6 +49,7 @@ class SimpleBEV(BEVDetector):
         max_detections: int = 300,
         lr: float = 3e-4,
         weight_decay: float = 1e-7,
+        warmup_steps: int = 0,
         checkpoint_path: str | None = None,
         metric: torchmetrics.Metric | None = None,
     ):
