@@ -414,13 +414,16 @@ def test_trainer_fits_validates_with_a_metric_and_predicts():
 
 @pytest.mark.parametrize("name", ["petr", "lift_splat", "simple_bev"])
 def test_warmup_ramps_the_learning_rate_per_step(name):
-    model = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV}[name].tiny(warmup_steps=4, lr=1e-3)
+    """Every parameter's rate ramps; the image backbone's is lr x backbone_lr_mult."""
+    model = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV}[name].tiny(
+        warmup_steps=4, lr=1e-3, backbone_lr_mult=0.1
+    )
     batches = [surround_batch(batch=1, cameras=2, seed=s) for s in range(6)]
     seen = []
 
     class Record(L.Callback):
         def on_train_batch_start(self, trainer, *args):
-            seen.append(trainer.optimizers[0].param_groups[0]["lr"])
+            seen.append([group["lr"] for group in trainer.optimizers[0].param_groups])
 
     trainer = L.Trainer(
         max_steps=6,
@@ -434,5 +437,9 @@ def test_warmup_ramps_the_learning_rate_per_step(name):
         limit_val_batches=0,
     )
     trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
-    assert seen == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
-    assert model.hparams.warmup_steps == 4
+    ramp = [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert seen == [pytest.approx([1e-3 * r, 1e-4 * r]) for r in ramp]
+    groups = trainer.optimizers[0].param_groups
+    backbone = {id(p) for p in model.encoder.backbone.parameters()}
+    assert {id(p) for p in groups[1]["params"]} == backbone
+    assert len(groups[0]["params"]) + len(backbone) == len(list(model.parameters()))

@@ -1,8 +1,9 @@
 """What the three BEV detectors share as LightningModules: steps, logging, the optional metric, the optimizer.
 
-A subclass calls ``save_hyperparameters(ignore=["metric"])`` (with ``lr``, ``weight_decay`` and ``warmup_steps``
-among its arguments), builds ``self.head`` (``loss(outputs, boxes, labels) -> dict`` whose "loss" entry is the total,
-``decode(outputs) -> list of {"boxes", "scores", "labels"}``) and defines ``forward(batch) -> outputs``.
+A subclass calls ``save_hyperparameters(ignore=["metric"])`` (with ``lr``, ``weight_decay``, ``warmup_steps`` and
+``backbone_lr_mult`` among its arguments), builds ``self.encoder`` (an ``ImageEncoder``) and ``self.head``
+(``loss(outputs, boxes, labels) -> dict`` whose "loss" entry is the total, ``decode(outputs) -> list of
+{"boxes", "scores", "labels"}``) and defines ``forward(batch) -> outputs``.
 """
 
 from __future__ import annotations
@@ -74,7 +75,12 @@ class BEVDetector(L.LightningModule):
         return self.decode(self(batch))
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        lr, mult = self.hparams.lr, self.hparams.backbone_lr_mult
+        backbone = list(self.encoder.backbone.parameters())
+        mine = {id(p) for p in backbone}
+        groups = [{"params": [p for p in self.parameters() if id(p) not in mine]}]
+        groups.append({"params": backbone, "lr": lr * mult})  # PETR's recipe: 0.1 for a pretrained backbone
+        optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=self.hparams.weight_decay)
         warmup = self.hparams.warmup_steps
         if not warmup:
             return optimizer

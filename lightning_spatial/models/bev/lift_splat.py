@@ -52,6 +52,7 @@ class LiftSplat(BEVDetector):
         lr: float = 2e-4,
         weight_decay: float = 0.01,
         warmup_steps: int = 0,
+        backbone_lr_mult: float = 1.0,
         checkpoint_path: str | None = None,
         metric: torchmetrics.Metric | None = None,
     ):

@@ -50,6 +50,7 @@ class SimpleBEV(BEVDetector):
         lr: float = 3e-4,
         weight_decay: float = 1e-7,
         warmup_steps: int = 0,
+        backbone_lr_mult: float = 1.0,
         checkpoint_path: str | None = None,
         metric: torchmetrics.Metric | None = None,
     ):
