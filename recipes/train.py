@@ -64,7 +64,8 @@ class ValidateFirst(L.Callback):
         loop.run()
         trainer.training = True
         if trainer.is_global_zero:
-            print("untrained metrics:", {k: round(float(v), 4) for k, v in sorted(trainer.callback_metrics.items())})
+            what = f"metrics at step {trainer.global_step} (resumed)" if trainer.global_step else "untrained metrics"
+            print(f"{what}:", {k: round(float(v), 4) for k, v in sorted(trainer.callback_metrics.items())})
 
 
 def read_rows(metrics_csv: Path) -> list[dict[str, str]]:

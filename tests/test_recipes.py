@@ -311,7 +311,10 @@ def test_a_run_resumes_from_its_last_checkpoint(tmp_path):
     assert 0 < stopped < 64
     metrics = tmp_path / "csv" / "metrics.csv"
     first = list(csv.DictReader(metrics.open()))
-    run(f"ckpt_path={last}", "++trainer.max_time=null", f"+trainer.max_steps={stopped + 2}", tmp_path=tmp_path, toy=toy)
+    out = run(
+        f"ckpt_path={last}", "++trainer.max_time=null", f"+trainer.max_steps={stopped + 2}", tmp_path=tmp_path, toy=toy
+    )
+    assert f"metrics at step {stopped} (resumed):" in out and "untrained" not in out
     assert torch.load(last, weights_only=True)["global_step"] == stopped + 2
     rows = list(csv.DictReader(metrics.open()))
     trained = [int(r["step"]) for r in rows if r.get("train_loss")]
