@@ -47,6 +47,13 @@ class Axis:
         _GROUPS[ranks] = group
         return cls(ranks, dist.get_rank(group))
 
+    @staticmethod
+    def forget_groups() -> None:
+        """After ``destroy_process_group``: its groups must not outlive it here. A process forked later would
+        free one when an axis of the same ranks replaced it, and a gloo group's destructor there waited
+        forever for threads that only existed in this process."""
+        _GROUPS.clear()
+
     @property
     def group(self) -> dist.ProcessGroup:
         try:

@@ -307,6 +307,8 @@ class SpatialParallelStrategy(DDPStrategy):
         super().teardown()
         if self._group_to_close:  # a later Trainer in this process may fork ranks of a larger world
             dist.destroy_process_group()
+            Axis.forget_groups()
+            self.mesh, self.axes, self._data_axis = None, {}, None
             self._group_to_close = False
 
     @classmethod

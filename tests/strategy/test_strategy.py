@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins import MixedPrecision
 
-from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor, gather
+from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor, gather, layout
 from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, LitModel, loader
 from tests.strategy.test_equivalence import assert_same_weights
@@ -87,12 +87,13 @@ def test_one_process_trains_in_this_process():
         def on_train_start(self, trainer, pl_module):
             pids.append(os.getpid())
 
-    environ = dict(os.environ)
+    environ, groups = dict(os.environ), dict(layout._GROUPS)
     trainer(1, 1, max_epochs=1, callbacks=[RecordPid()]).fit(LitModel("segnet"), loader(Images(4, 16, 24), 2))
     assert pids == [os.getpid()]
-    # its world of one ended with it, and the launcher's LOCAL_RANK, MASTER_PORT, ... left os.environ (with them
-    # the next Trainer took itself for a torchrun rank and waited for a second rank): the next may fork two
-    assert not dist.is_initialized() and dict(os.environ) == environ
+    # Its world of one ended with it, and the launcher's LOCAL_RANK, MASTER_PORT, ... left os.environ (with them
+    # the next Trainer took itself for a torchrun rank and waited for a second rank); no group of it stays
+    # behind for forked ranks to free (a gloo group's destructor hung there). The next Trainer may fork two.
+    assert not dist.is_initialized() and dict(os.environ) == environ and layout._GROUPS == groups
     fork_two = SpatialParallelStrategy(2, start_method="fork", timeout=timedelta(seconds=60))
     trainer(2, strategy=fork_two, max_epochs=1).fit(LitModel("segnet"), loader(Images(4, 16, 24), 2))
 
