@@ -386,28 +386,33 @@ class RecordingMetric(torchmetrics.Metric):
         return {"mAP": self.samples / 10, "NDS": self.samples / 20}
 
 
-def test_trainer_fits_validates_with_a_metric_and_predicts():
-    torch.manual_seed(0)
-    model = LiftSplat.tiny(metric=RecordingMetric())
-    batches = [surround_batch(batch=1, cameras=2, seed=s) for s in range(2)]
-
-    def loader():
-        return torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
-
-    trainer = L.Trainer(
-        max_steps=2,
+def _quiet_trainer(**kwargs) -> L.Trainer:
+    return L.Trainer(
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         accelerator="cpu",
         devices=1,
+        **kwargs,
     )
-    trainer.fit(model, loader(), loader())
+
+
+def _loader(batches: list) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+
+
+def test_trainer_fits_validates_with_a_metric_and_predicts():
+    torch.manual_seed(0)
+    model = LiftSplat.tiny(metric=RecordingMetric())
+    batches = [surround_batch(batch=1, cameras=2, seed=s) for s in range(2)]
+
+    trainer = _quiet_trainer(max_steps=2)
+    trainer.fit(model, _loader(batches), _loader(batches))
     assert trainer.callback_metrics["val_mAP"] == pytest.approx(0.2)  # 2 samples validated
     assert trainer.callback_metrics["val_NDS"] == pytest.approx(0.1)
     assert {"train_loss", "val_loss", "val_loss_heatmap"} <= set(trainer.callback_metrics)
-    predictions = trainer.predict(model, loader())
+    predictions = trainer.predict(model, _loader(batches))
     assert len(predictions) == 2 and predictions[0][0]["boxes"].shape[1] == 9
     assert model.hparams.bev_size == (32, 32) and "metric" not in model.hparams
 
@@ -425,18 +430,8 @@ def test_warmup_ramps_the_learning_rate_per_step(name):
         def on_train_batch_start(self, trainer, *args):
             seen.append([group["lr"] for group in trainer.optimizers[0].param_groups])
 
-    trainer = L.Trainer(
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[Record()],
-        limit_val_batches=0,
-    )
-    trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+    trainer = _quiet_trainer(max_steps=6, callbacks=[Record()], limit_val_batches=0)
+    trainer.fit(model, _loader(batches))
     ramp = [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert seen == [pytest.approx([1e-3 * r, 1e-4 * r]) for r in ramp]
     groups = trainer.optimizers[0].param_groups
