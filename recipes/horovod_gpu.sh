@@ -4,8 +4,9 @@
 # then time Horovod against DDP on the same 2 GPUs, same model and per-GPU batch.
 #   bash recipes/horovod_gpu.sh            # rows appended to $OUT/bench_trainer.jsonl, logs in $OUT/runs.log
 #   bash recipes/horovod_gpu.sh build      # only the build (a warm machine keeps it for the next call)
-#   bash recipes/horovod_gpu.sh bf16       # bf16 only: DDP, Horovod, with async_completion, with a 0.1 ms cycle
+#   bash recipes/horovod_gpu.sh bf16       # bf16 only: DDP, Horovod, with a 0.1 ms cycle, and with async completion too
 #   REPEATS=3 STEPS=20 bash recipes/horovod_gpu.sh bf16   # interleaved repeats: one run's median varies ~10%
+#   TESTS=0 ONLY=petr REPEATS=3 STEPS=20 bash recipes/horovod_gpu.sh bf16   # one model (petr or convnext_large)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)"
 OUT=${OUT:-.}
@@ -18,7 +19,10 @@ if ! python3 -c "import horovod.torch" 2>/dev/null; then
   tail -1 "$OUT/horovod_build.log"
 fi
 B="recipes/bench_trainer.py --out $OUT --steps ${STEPS:-8} --warmup 2"
-MODELS=("convnext_large --batch 4 --height 512 --width 1024" "petr --batch 1 --height 512 --width 1408")
+MODELS=()
+for model in "convnext_large --batch 4 --height 512 --width 1024" "petr --batch 1 --height 512 --width 1408"; do
+  [[ -z "${ONLY:-}" || $model == "$ONLY "* ]] && MODELS+=("$model")
+done
 compare() {  # precision, then the Horovod variants: each a quoted list of bench_trainer options
   local precision=$1 model variant rep; shift
   for rep in $(seq "${REPEATS:-1}"); do for model in "${MODELS[@]}"; do  # repeats interleave: runs vary by ~10%
@@ -31,9 +35,9 @@ compare() {  # precision, then the Horovod variants: each a quoted list of bench
   done; done
 }
 [ "${1:-all}" = build ] && exit 0
-python3 -m pytest -q -p no:cacheprovider tests/horovod -k "gpu" -rs 2>&1 | tail -15
+[ "${TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/horovod -k "gpu" -rs 2>&1 | tail -15
 case "${1:-all}" in
-  bf16) compare bf16-mixed "" "--async-completion" "--cycle-ms 0.1" ;;
+  bf16) compare bf16-mixed "" "--cycle-ms 0.1" "--cycle-ms 0.1 --async-completion" ;;
   *) compare 32-true ""; compare bf16-mixed "" ;;
 esac
 python3 - "$OUT/bench_trainer.jsonl" <<'PY'
