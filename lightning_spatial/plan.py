@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn.modules.utils import _ntuple
 from torch.utils._pytree import tree_leaves
 
+from . import halo
 from .callbacks import _SavedActivations
 from .layout import Axis
 from .mesh import SpatialDims
@@ -330,19 +331,18 @@ class _Probe:
 def _zero_filled_messages():
     """Halos the fake groups never deliver read as zeros, not as uninitialised memory, where a NaN would stop a
     detector's Hungarian matching (their all-gather already hands every rank's piece this rank's input)."""
-    send_recv = dist.batch_isend_irecv
+    send_recv = halo._p2p
 
-    def batch_isend_irecv(ops):
-        for op in ops:
-            if op.op is dist.irecv:
-                op.tensor.zero_()
-        return send_recv(ops)
+    def zero_filled(axis, sends, recvs):
+        for _, t in recvs:
+            t.zero_()
+        send_recv(axis, sends, recvs)
 
-    dist.batch_isend_irecv = batch_isend_irecv
+    halo._p2p = zero_filled
     try:
         yield
     finally:
-        dist.batch_isend_irecv = send_recv
+        halo._p2p = send_recv
 
 
 def _optimizers(model: nn.Module) -> list | None:

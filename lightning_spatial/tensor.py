@@ -97,8 +97,11 @@ def wrap(local: torch.Tensor, layout: Layout | None) -> torch.Tensor:
     """Attach ``layout`` to a local shard (autograd-transparent); ``None`` means replicated (plain)."""
     if layout is None:
         return local
-    with torch._C.DisableTorchFunctionSubclass():
+    if type(local) is torch.Tensor:  # no subclass to dispatch: skip the guard's context manager
         out = local.as_subclass(SpatialTensor)
+    else:
+        with torch._C.DisableTorchFunctionSubclass():
+            out = local.as_subclass(SpatialTensor)
     out._layout = layout
     return out
 

@@ -1,0 +1,42 @@
+"""spatial_tp on two GPUs over NCCL (halos batched as one coalesced launch) reaches one GPU's weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from tests.strategy.lit import Images, LitModel, loader
+from tests.strategy.test_equivalence import assert_same_weights
+
+SCRIPT = Path(__file__).with_name("nccl_script.py")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
+@pytest.mark.parametrize("shard_dim", ["width", "height"])
+def test_spatial_tp_on_two_gpus_matches_one_gpu(tmp_path, shard_dim):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT)]
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
+    done = subprocess.run(
+        [*cmd, "--out", str(tmp_path), "--shard-dim", shard_dim], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    ours = LitModel("convnext_atto")
+    ours.load_state_dict(torch.load(tmp_path / "final.pt"))
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    reference = LitModel("convnext_atto")
+    L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(reference, loader(Images(4, 64, 64), 4))
+    assert_same_weights(ours, reference.cpu())
