@@ -42,6 +42,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--cycle-ms", type=float, default=None, help="horovod: cycle time (ms)")
     p.add_argument("--groups", type=int, default=None, help="horovod: grouped all-reduce in this many groups")
     p.add_argument("--async-completion", action="store_true", help="horovod: GPU ops complete on the stream")
+    p.add_argument("--profile", action="store_true", help="rank 0: profile the first timed step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--accelerator", default="gpu")
@@ -88,8 +89,8 @@ def model_and_data(args, length: int):
 
 
 class StepTimer(L.Callback):
-    def __init__(self, warmup: int):
-        self.warmup, self.times = warmup, []
+    def __init__(self, warmup: int, profile_to: str | None = None):
+        self.warmup, self.times, self.profile_to, self.profiler = warmup, [], profile_to, None
 
     def _sync(self, trainer) -> None:
         if trainer.strategy.root_device.type == "cuda":
@@ -99,12 +100,23 @@ class StepTimer(L.Callback):
         self._sync(trainer)
         if batch_idx == self.warmup and trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        if batch_idx == self.warmup and self.profile_to and trainer.global_rank == 0:
+            self.profiler = torch.profiler.profile()  # CPU, and CUDA where there is one
+            self.profiler.__enter__()
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._sync(trainer)
         if batch_idx >= self.warmup:
             self.times.append((time.perf_counter() - self.start) * 1e3)
+        if self.profiler is not None:  # the profiled step is timed too: its row says so ("profile": true)
+            self.profiler.__exit__(None, None, None)
+            table = self.profiler.key_averages()
+            with open(self.profile_to, "w") as f:
+                f.write(json.dumps({k: v for k, v in vars(parse()).items() if k != "out"}) + "\n")
+                for key in ("self_device_time_total", "self_cpu_time_total"):
+                    f.write(f"sorted by {key}\n{table.table(sort_by=key, row_limit=30)}\n")
+            self.profiler = None
 
 
 def strategy(args):
@@ -128,7 +140,8 @@ def main() -> None:
     args = parse()
     devices = 1 if args.strategy in ("single", "horovod") else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     model, loader = model_and_data(args, (args.warmup + args.steps) * args.batch * 8)
-    timer = StepTimer(args.warmup)
+    name = f"profile_{args.strategy}_{args.model}_{args.precision}_{os.getpid()}.txt"  # one per run; options inside
+    timer = StepTimer(args.warmup, os.path.join(args.out, name) if args.profile else None)
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=devices,
@@ -152,6 +165,7 @@ def main() -> None:
         "peak_gib_rank0": round(peak, 2),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "threads": torch.get_num_threads(),  # torchrun sets OMP_NUM_THREADS=1 for its processes, horovodrun does not
     }
     if trainer.global_rank == 0:
         print(json.dumps(row), flush=True)

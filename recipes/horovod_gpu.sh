@@ -4,9 +4,11 @@
 # then time Horovod against DDP on the same 2 GPUs, same model and per-GPU batch.
 #   bash recipes/horovod_gpu.sh            # rows appended to $OUT/bench_trainer.jsonl, logs in $OUT/runs.log
 #   bash recipes/horovod_gpu.sh build      # only the build (a warm machine keeps it for the next call)
-#   bash recipes/horovod_gpu.sh bf16       # bf16 only: DDP, Horovod, with a 0.1 ms cycle, and with async completion too
+#   bash recipes/horovod_gpu.sh bf16       # bf16 only: DDP; Horovod as is, with a 0.1 ms cycle, with one OpenMP thread
+#                                          # per process as torchrun gives DDP, and with all three (+ async completion)
 #   REPEATS=3 STEPS=20 bash recipes/horovod_gpu.sh bf16   # interleaved repeats: one run's median varies ~10%
 #   TESTS=0 ONLY=petr REPEATS=3 STEPS=20 bash recipes/horovod_gpu.sh bf16   # one model (petr or convnext_large)
+#   PROFILE=1 ...                          # also rank 0's profile of its first timed step, per run (profile_*.txt)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)"
 OUT=${OUT:-.}
@@ -18,7 +20,7 @@ if ! python3 -c "import horovod.torch" 2>/dev/null; then
   fi
   tail -1 "$OUT/horovod_build.log"
 fi
-B="recipes/bench_trainer.py --out $OUT --steps ${STEPS:-8} --warmup 2"
+B="recipes/bench_trainer.py --out $OUT --steps ${STEPS:-8} --warmup 2 ${PROFILE:+--profile}"
 MODELS=()
 for model in "convnext_large --batch 4 --height 512 --width 1024" "petr --batch 1 --height 512 --width 1408"; do
   [[ -z "${ONLY:-}" || $model == "$ONLY "* ]] && MODELS+=("$model")
@@ -28,16 +30,19 @@ compare() {  # precision, then the Horovod variants: each a quoted list of bench
   for rep in $(seq "${REPEATS:-1}"); do for model in "${MODELS[@]}"; do  # repeats interleave: runs vary by ~10%
     "$BIN/torchrun" --standalone --nproc-per-node 2 $B --strategy ddp --model $model --precision $precision \
       >> "$OUT/runs.log" 2>&1 || echo "FAILED: ddp $model $precision"
-    for variant in "$@"; do
-      "$BIN/horovodrun" -np 2 -H localhost:2 python3 $B --strategy horovod --model $model --precision $precision \
-        $variant >> "$OUT/runs.log" 2>&1 || echo "FAILED: horovod $model $precision $variant"
+    for variant in "$@"; do  # bench_trainer options, and KEY=VALUE words set in Horovod's environment
+      local envs=() opts=() word
+      for word in $variant; do if [[ $word == *=* ]]; then envs+=("$word"); else opts+=("$word"); fi; done
+      env "${envs[@]}" "$BIN/horovodrun" -np 2 -H localhost:2 python3 $B --strategy horovod --model $model \
+        --precision $precision "${opts[@]}" >> "$OUT/runs.log" 2>&1 || echo "FAILED: horovod $model $precision $variant"
     done
   done; done
 }
 [ "${1:-all}" = build ] && exit 0
 [ "${TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/horovod -k "gpu" -rs 2>&1 | tail -15
 case "${1:-all}" in
-  bf16) compare bf16-mixed "" "--cycle-ms 0.1" "--cycle-ms 0.1 --async-completion" ;;
+  # torchrun starts its processes with OMP_NUM_THREADS=1, horovodrun with every core: the same for Horovod too
+  bf16) compare bf16-mixed "" "--cycle-ms 0.1" "OMP_NUM_THREADS=1" "OMP_NUM_THREADS=1 --cycle-ms 0.1 --async-completion" ;;
   *) compare 32-true ""; compare bf16-mixed "" ;;
 esac
 python3 - "$OUT/bench_trainer.jsonl" <<'PY'
@@ -45,6 +50,7 @@ import collections, json, statistics, sys
 runs = collections.defaultdict(list)  # the median over repeated runs, and its ratio to DDP's on the same model
 for r in map(json.loads, open(sys.argv[1])):
     knobs = "".join(f" {k}={r[k]}" for k in ("async_completion", "cycle_ms", "compression") if r.get(k) not in (None, False, "none"))
+    knobs += f" threads={r['threads']}" if r.get("threads", 1) != 1 else ""
     runs[r["model"], r["precision"], r["strategy"] + knobs].append(r["step_ms"])
 for (model, precision, name), times in runs.items():
     ddp = statistics.median(runs.get((model, precision, "ddp"), [float("nan")]))

@@ -201,10 +201,19 @@ def test_trainer_benchmark_under_torchrun(strategy, tmp_path):
         "--width",
         "64",
     ]
-    torchrun_2("bench_trainer.py", *args, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+    profile = ["--profile"] if strategy == "ddp" else []
+    torchrun_2("bench_trainer.py", *args, *profile, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
     (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
     assert row["world"] == 2 and row["strategy"] == strategy and row["step_ms"] > 0
     assert row["step_ms_range"][0] <= row["step_ms"] <= row["step_ms_range"][1]
+    assert row["threads"] == 1  # torchrun's OMP_NUM_THREADS=1
+    profiles = list(tmp_path.glob("profile_*.txt"))
+    if profile:  # rank 0's first timed step, by host time
+        assert len(profiles) == 1 and profiles[0].name.startswith("profile_ddp_convnext_atto_32-true_")
+        header, table = profiles[0].read_text().split("\n", 1)
+        assert json.loads(header)["strategy"] == "ddp" and "aten::convolution" in table
+    else:
+        assert not profiles
 
 
 def test_dispatch_overhead_smoke():
