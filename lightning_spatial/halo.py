@@ -148,27 +148,31 @@ def _count_sent(sends: list[tuple[int, torch.Tensor]]) -> None:
     HaloStats.sent_bytes += sum(t.numel() * t.element_size() for _, t in sends)
 
 
+def _window(x: torch.Tensor, plan: _Plan, dim: int, axis, fill: float) -> torch.Tensor:
+    sends = [(j, _select(x, dim, rows).contiguous()) for j, rows in plan.sends]
+    recvs = [(j, x.new_empty(_shape(x, dim, count))) for j, _, count in plan.recvs]
+    _count_sent(sends)
+    _p2p(axis, sends, recvs)
+    out = empty_as(x, _shape(x, dim, plan.length))
+    if plan.pieces is not None:  # one copy kernel for the whole window
+        parts = [_select(x, dim, p) if isinstance(p, range) else recvs[p][1] for p in plan.pieces]
+        return torch.cat(parts, dim, out=out)
+    if isinstance(plan.fill, range):  # only the padding positions get the fill value
+        _select(out, dim, plan.fill).fill_(fill)
+    elif plan.fill is not None:
+        out.index_fill_(dim, _index(plan.fill, out.device), fill)
+    if plan.local is not None:
+        _put(out, dim, plan.local[0], _select(x, dim, plan.local[1]))
+    for (_, pos, _), (_, buf) in zip(plan.recvs, recvs):
+        _put(out, dim, pos, buf)
+    return out
+
+
 class _FetchWindow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: _Plan, dim: int, shard: DimShard, fill: float) -> torch.Tensor:
         ctx.plan, ctx.dim, ctx.axis, ctx.local_shape = plan, dim, shard.axis, x.shape
-        sends = [(j, _select(x, dim, rows).contiguous()) for j, rows in plan.sends]
-        recvs = [(j, x.new_empty(_shape(x, dim, count))) for j, _, count in plan.recvs]
-        _count_sent(sends)
-        _p2p(shard.axis, sends, recvs)
-        out = empty_as(x, _shape(x, dim, plan.length))
-        if plan.pieces is not None:  # one copy kernel for the whole window
-            parts = [_select(x, dim, p) if isinstance(p, range) else recvs[p][1] for p in plan.pieces]
-            return torch.cat(parts, dim, out=out)
-        if isinstance(plan.fill, range):  # only the padding positions get the fill value
-            _select(out, dim, plan.fill).fill_(fill)
-        elif plan.fill is not None:
-            out.index_fill_(dim, _index(plan.fill, out.device), fill)
-        if plan.local is not None:
-            _put(out, dim, plan.local[0], _select(x, dim, plan.local[1]))
-        for (_, pos, _), (_, buf) in zip(plan.recvs, recvs):
-            _put(out, dim, pos, buf)
-        return out
+        return _window(x, plan, dim, shard.axis, fill)
 
     @staticmethod
     @once_differentiable  # the messages carry no graph: a second derivative would miss the neighbours' terms
@@ -237,6 +241,8 @@ def fetch_window(
     plan = _plan(shard.size, shard.axis.size, shard.axis.index, tuple(map(tuple, windows)), mode)
     if plan.view is not None:
         return _select(x, shard.dim, plan.view)
+    if not (x.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the autograd Function's cost
+        return _window(x, plan, shard.dim, shard.axis, fill)
     return _FetchWindow.apply(x, plan, shard.dim, shard, fill)
 
 

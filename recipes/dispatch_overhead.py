@@ -79,6 +79,13 @@ def main() -> None:
         plain = per_call_us(model, shard, calls, args.repeats) / 1e3
         sharded = per_call_us(model, wrap(shard, image_layout), calls, args.repeats) / 1e3
     print(f"{args.model + ' forward (ms)':32} {plain:9.2f} {sharded:11.2f} {sharded - plain:9.2f}")
+
+    def train_step(x):  # forward and backward: the autograd Functions of windows and collectives too
+        model(x).sum().backward()
+
+    plain = per_call_us(train_step, shard, calls, args.repeats) / 1e3
+    sharded = per_call_us(train_step, wrap(shard, image_layout), calls, args.repeats) / 1e3
+    print(f"{args.model + ' fwd+bwd (ms)':32} {plain:9.2f} {sharded:11.2f} {sharded - plain:9.2f}")
     dist.destroy_process_group()
 
 

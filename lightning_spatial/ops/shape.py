@@ -93,7 +93,9 @@ def _permute_op(func):
 
     def permute(input, *args, **kwargs):
         x, layout = unwrap(input)
-        call = (_freeze(args), _freeze(tuple(sorted(kwargs.items()))))
+        call = (args, tuple(sorted(kwargs.items())) if kwargs else ())
+        if not all(type(a) is int for a in args) or kwargs:  # dims as lists: tuples, to key the cache
+            call = _freeze(call)
         return wrap(func(x, *args, **kwargs), _moved(func, layout, x.dim(), call))
 
     return permute
