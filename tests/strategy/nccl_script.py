@@ -6,12 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import lightning_spatial  # noqa: E402
-from tests.strategy.lit import Images, LitModel, loader  # noqa: E402
+from lightning_spatial import SpatialParallelStrategy  # noqa: E402
+from tests.strategy.lit import Images, LitModel  # noqa: E402
+from tests.strategy.test_equivalence import fit  # noqa: E402
 
 
 def main() -> None:
@@ -21,18 +21,7 @@ def main() -> None:
     args = p.parse_args()
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # plain fp32, as the reference
     model = LitModel("convnext_atto")
-    trainer = L.Trainer(
-        accelerator="gpu",
-        devices=2,
-        strategy=lightning_spatial.SpatialParallelStrategy(2, args.shard_dim),
-        max_epochs=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(model, loader(Images(4, 64, 64), 4))
+    trainer = fit(model, SpatialParallelStrategy(2, args.shard_dim), 2, Images(4, 64, 64), 4, accelerator="gpu")
     if trainer.global_rank == 0:
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, Path(args.out) / "final.pt")
 

@@ -12,9 +12,9 @@ from tests.strategy.lit import Images, LitModel, loader
 STEPS = 3
 
 
-def fit(model, strategy, devices, data, batch_size, **trainer_kwargs):
+def fit(model, strategy, devices, data, batch_size, accelerator="cpu", **trainer_kwargs):
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         max_epochs=STEPS,

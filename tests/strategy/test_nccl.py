@@ -7,12 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
-from tests.strategy.lit import Images, LitModel, loader
-from tests.strategy.test_equivalence import assert_same_weights
+from tests.strategy.lit import Images, LitModel
+from tests.strategy.test_equivalence import assert_same_weights, fit
 
 SCRIPT = Path(__file__).with_name("nccl_script.py")
 
@@ -30,13 +29,5 @@ def test_spatial_tp_on_two_gpus_matches_one_gpu(tmp_path, shard_dim):
     ours.load_state_dict(torch.load(tmp_path / "final.pt"))
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     reference = LitModel("convnext_atto")
-    L.Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_epochs=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(reference, loader(Images(4, 64, 64), 4))
+    fit(reference, "auto", 1, Images(4, 64, 64), 4, accelerator="gpu")
     assert_same_weights(ours, reference.cpu())
