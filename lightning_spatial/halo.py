@@ -76,17 +76,15 @@ def _plan(n: int, parts: int, me: int, windows: tuple[tuple[int, int], ...], mod
 def _in_order(length: int, local, recvs, fill) -> tuple[range | int, ...] | None:
     """The window as consecutive runs (local rows, or the k-th received buffer), to be joined by one ``cat``;
     ``None`` when positions are scattered or padded."""
-    runs = [(k_pos[1], k) for k, k_pos in enumerate(recvs)]
+    runs = [(pos, k) for k, (_, pos, _) in enumerate(recvs)]  # (window positions, source)
     if local is not None:
-        runs.append((local[0], local[1]))
-    if fill is not None or not all(isinstance(pos, range) for pos, _ in runs):
-        return None
-    if local is not None and not isinstance(local[1], range):
+        runs.append(local)
+    if fill is not None or not all(isinstance(pos, range) and not isinstance(src, tuple) for pos, src in runs):
         return None
     runs.sort(key=lambda run: run[0].start)
     if [pos.start for pos, _ in runs] != [0, *(pos.stop for pos, _ in runs[:-1])] or runs[-1][0].stop != length:
         return None
-    return tuple(piece for _, piece in runs)
+    return tuple(src for _, src in runs)
 
 
 def _p2p(axis, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
