@@ -89,8 +89,9 @@ def model_and_data(args, length: int):
 
 
 class StepTimer(L.Callback):
-    def __init__(self, warmup: int, profile_to: str | None = None):
-        self.warmup, self.times, self.profile_to, self.profiler = warmup, [], profile_to, None
+    def __init__(self, warmup: int, profile_to: str | None = None, options: dict | None = None):
+        self.warmup, self.times, self.profiler = warmup, [], None
+        self.profile_to, self.options = profile_to, options
 
     def _sync(self, trainer) -> None:
         if trainer.strategy.root_device.type == "cuda":
@@ -113,7 +114,7 @@ class StepTimer(L.Callback):
             self.profiler.__exit__(None, None, None)
             table = self.profiler.key_averages()
             with open(self.profile_to, "w") as f:
-                f.write(json.dumps({k: v for k, v in vars(parse()).items() if k != "out"}) + "\n")
+                f.write(json.dumps(self.options) + "\n")
                 for key in ("self_device_time_total", "self_cpu_time_total"):
                     f.write(f"sorted by {key}\n{table.table(sort_by=key, row_limit=30)}\n")
             self.profiler = None
@@ -141,7 +142,8 @@ def main() -> None:
     devices = 1 if args.strategy in ("single", "horovod") else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     model, loader = model_and_data(args, (args.warmup + args.steps) * args.batch * 8)
     name = f"profile_{args.strategy}_{args.model}_{args.precision}_{os.getpid()}.txt"  # one per run; options inside
-    timer = StepTimer(args.warmup, os.path.join(args.out, name) if args.profile else None)
+    options = {k: v for k, v in vars(args).items() if k != "out"}
+    timer = StepTimer(args.warmup, os.path.join(args.out, name) if args.profile else None, options)
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=devices,
@@ -158,7 +160,7 @@ def main() -> None:
     device = trainer.strategy.root_device
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     row = {
-        **{k: v for k, v in vars(args).items() if k != "out"},
+        **options,
         "world": trainer.world_size,
         "step_ms": statistics.median(timer.times),
         "step_ms_range": [round(min(timer.times), 1), round(max(timer.times), 1)],
