@@ -96,6 +96,21 @@ def test_the_gpu_experiment_is_what_its_comment_says(tmp_path):
     assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.strategy.spatial_size) == ("gpu", 8, 4)
 
 
+# The overrides of the run in docs/bev.md (session 10) that made petr_convnext learn on one H200.
+CARS_RUN = (
+    "model.embed_dims=32 model.num_layers=2 model.num_heads=4 model.ffn_dims=64 model.num_queries=100 model.lr=5e-4 "
+    "model.num_classes=1 model.metric.classes=[car] data.classes=[car] data.max_objects=10 data.distance=[4.0,24.0] "
+    "data.num_samples=256 data.val_samples=32 trainer.max_epochs=-1 ++trainer.check_val_every_n_epoch=null"
+)
+
+
+def test_the_gpu_bev_experiment_that_learns_is_the_run_in_the_docs(tmp_path):
+    """experiment=petr_convnext_cars is petr_convnext with the command-line overrides of the documented run."""
+    named = _compose("experiment=petr_convnext_cars", out=tmp_path)
+    run = _compose("experiment=petr_convnext", *CARS_RUN.split(), out=tmp_path)
+    assert named == run
+
+
 @pytest.mark.parametrize(
     "override, error, words",
     [
