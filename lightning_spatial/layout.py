@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -109,6 +109,8 @@ class Layout:
     """Which dims of a tensor are sharded (negative dims), each factor over its own mesh axis."""
 
     shards: tuple[DimShard, ...]
+    dims: tuple[int, ...] = field(init=False, repr=False, compare=False)  # the sharded dims, ascending
+    _global_shapes: dict = field(init=False, repr=False, compare=False)  # local -> global: ``x.shape`` is asked often
 
     def __post_init__(self) -> None:
         shards = tuple(sorted(self.shards, key=lambda s: (s.dim, s.outer)))
@@ -120,6 +122,8 @@ class Layout:
         for dim in {s.dim for s in shards}:
             _factors(tuple(s for s in shards if s.dim == dim))  # validates that the factors nest
         object.__setattr__(self, "shards", shards)
+        object.__setattr__(self, "dims", tuple(sorted({s.dim for s in shards})))
+        object.__setattr__(self, "_global_shapes", {})
 
     def get(self, dim: int) -> DimShard | None:
         """The shard of a plain (unmerged) sharded dim; ``None`` if ``dim`` is not sharded."""
@@ -127,10 +131,6 @@ class Layout:
             if s.dim == dim:
                 return s
         return None
-
-    @property
-    def dims(self) -> tuple[int, ...]:
-        return tuple(sorted({s.dim for s in self.shards}))
 
     def on(self, dim: int) -> tuple[DimShard, ...]:
         return tuple(s for s in self.shards if s.dim == dim)
@@ -144,10 +144,18 @@ class Layout:
         return _factors(self.on(dim))
 
     def global_shape(self, local: torch.Tensor | torch.Size) -> torch.Size:
-        shape = list(local.shape if isinstance(local, torch.Tensor) else local)
+        local = local.shape if isinstance(local, torch.Tensor) else local
+        local = local if isinstance(local, tuple) else tuple(local)  # a torch.Size is a tuple
+        known = self._global_shapes.get(local)
+        if known is not None:
+            return known
+        shape = list(local)
         for s in self.shards:
             shape[s.dim] = s.extent
-        return torch.Size(shape)
+        if len(self._global_shapes) > 256:  # shapes vary (batch, crops): keep the table small
+            self._global_shapes.clear()
+        known = self._global_shapes[local] = torch.Size(shape)
+        return known
 
     def local_shape(self, shape) -> list[int]:
         """This rank's sizes of a tensor of global ``shape`` with this layout."""

@@ -55,9 +55,11 @@ def main() -> None:
     layout = Layout((DimShard(-1, Axis.from_group(), width),))
     x = torch.randn(1, channels, 4, 8)
     depthwise, norm = torch.randn(channels, 1, 7, 7), torch.randn(channels)
+    pointwise = torch.randn(4 * channels, channels, 1, 1)
     fc, scale = torch.nn.Linear(channels, 4 * channels), torch.randn(1, channels, 1, 1)
     ops = {
         "conv2d 7x7 depthwise (halo)": lambda t: F.conv2d(t, depthwise, padding=3, groups=channels),
+        "conv2d 1x1 (no halo)": lambda t: F.conv2d(t, pointwise),
         "permute": lambda t: t.permute(0, 2, 3, 1),
         "layer_norm (channels last)": lambda t: F.layer_norm(t.permute(0, 2, 3, 1), (channels,), norm, norm),
         "linear (channels last)": lambda t: fc(t.permute(0, 2, 3, 1)),

@@ -175,6 +175,33 @@ def _orphan(local_shape, global_width):
     return wrap(torch.randn(local_shape), Layout((DimShard(-1, Axis((0, 1), 0), global_width),)))
 
 
+def test_results_become_shards_without_changing_what_the_caller_holds():
+    """Handlers turn a result they computed into the SpatialTensor itself (``tensor.adopt``, no alias); tensors
+    user code holds (replicated operands, weights, an operand an op returns as it is) keep their class."""
+    import torch.nn.functional as F
+
+    from lightning_spatial.ops.elementwise import elementwise
+
+    x = _orphan((2, 4, 3, 5), 10)  # global 2 x 4 x 3 x 10; none of these ops communicates
+    plain, weight, norm, kernel = torch.randn(1, 4, 1, 10), torch.randn(6, 4), torch.randn(4), torch.randn(6, 4, 1, 1)
+    results = {
+        "mul": x * plain,
+        "rmul": plain * x,
+        "where": torch.where(x > 0, x, plain),
+        "permute": x.permute(0, 2, 3, 1),
+        "linear": F.linear(x.permute(0, 2, 3, 1), weight),
+        "layer_norm": F.layer_norm(x.permute(0, 2, 3, 1), (4,), norm, norm),
+        "conv1x1": F.conv2d(x, kernel),
+    }
+    for name, out in results.items():
+        assert type(out) is SpatialTensor and out.to_local().numel() * 2 == out.numel(), name  # half the columns
+    assert all(type(t) is torch.Tensor for t in (plain, weight, norm, kernel))
+    held = torch.randn(1, 4, 1, 1)  # broadcasts: reaches the op as it is
+    assert elementwise(lambda a, b: b)(x, held) is not held and type(held) is torch.Tensor  # an op that returned it
+    assert torch.equal(results["mul"].to_local(), x.to_local() * plain[..., :5])  # rank 0's columns
+    assert x.contiguous() is x and x.float() is x and type(x) is SpatialTensor  # operands returned as they are
+
+
 def test_fallback_is_announced_before_any_communication_with_op_module_and_bytes():
     x = _orphan((1, 4, 128, 512), 1024)  # global 1 x 4 x 128 x 1024 float32: 2 MiB
     block = _Block()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import Layout, conv_out_size, conv_window, transposed_window
-from ..tensor import unwrap, wrap
+from ..tensor import adopt, unwrap
 from ._binding import bound
 from ._common import (
     Windows,
@@ -59,6 +59,7 @@ class _ConvPlan:
     pad: tuple[int, ...] | None  # F.pad of an asymmetric 'same' padding on an unsharded dim
     padding: tuple[int, ...]  # the local convolution's padding
     layout: Layout | None  # the output's
+    local: bool  # every rank's window is its own rows, unpadded (1x1 and patchify convs): nothing to fetch
 
 
 @lru_cache(maxsize=1024)
@@ -77,7 +78,8 @@ def _conv_plan(op, nd, layout: Layout, shards, kernel, stride, dilation, padding
     if local_lo != local_hi:  # asymmetric 'same' padding on an unsharded dim
         pad = tuple(p for i in reversed(range(nd)) for p in (local_lo[i], local_hi[i]))
         local_lo = [0] * nd
-    return _ConvPlan(windows, pad, tuple(local_lo), output_layout(layout, shards, out_sizes))
+    local = pad is None and all(w == s.bounds for _, s, w in windows.dims)
+    return _ConvPlan(windows, pad, tuple(local_lo), output_layout(layout, shards, out_sizes), local)
 
 
 def _convolution(nd: int):
@@ -91,6 +93,8 @@ def _convolution(nd: int):
         shards = tuple(spatial_shards(op, x, layout, nd).items())
         plan = _conv_plan(op, nd, layout, shards, tuple(weight.shape[2:]), stride, dilation, padding)
         x = autocast_input(x)
+        if plan.local:
+            return adopt(_CONV[nd](x, weight, bias, stride, plan.padding, dilation, groups), plan.layout)
 
         def window() -> torch.Tensor:
             w = plan.windows.fetch(x)
@@ -98,7 +102,7 @@ def _convolution(nd: int):
 
         w = window()
         with saved_as_recipe(w, x, window):
-            return wrap(_CONV[nd](w, weight, bias, stride, plan.padding, dilation, groups), plan.layout)
+            return adopt(_CONV[nd](w, weight, bias, stride, plan.padding, dilation, groups), plan.layout)
 
     conv.__name__ = op
     return conv
@@ -134,7 +138,7 @@ def _transposed(nd: int):
             out = out.narrow(i - nd, lo - first, hi - lo)
         if bias is not None:
             out = out + bias.view(-1, *([1] * nd))
-        return wrap(out, output_layout(layout, shards, out_sizes))
+        return adopt(out, output_layout(layout, shards, out_sizes))
 
     conv_transpose.__name__ = op
     return conv_transpose

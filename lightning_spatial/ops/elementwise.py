@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from ..tensor import SpatialTensor, common_layout, fallback, is_inplace, localize, unwrap, wrap
+from ..tensor import SpatialTensor, adopt, common_layout, fallback, is_inplace, localize, unwrap, wrap
 
 
 def _pointwise_names() -> set[str]:
@@ -146,10 +146,13 @@ def elementwise(func: Callable) -> Callable:
             kwargs = {k: localize(func, v, layout) for k, v in kwargs.items()}
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        if args and out is args[0]:  # in-place: the operand already carries its layout
-            return out
         if type(out) is torch.Tensor:  # the common case, without a pytree walk
-            return wrap(out, layout)
+            for a in args:
+                if out is a:  # in-place, or an operand returned as it is (``x.float()`` of a float x)
+                    return out if isinstance(a, SpatialTensor) else wrap(out, layout)
+            return adopt(out, layout)
+        if args and out is args[0]:  # in-place on a sharded operand: it already carries its layout
+            return out
         return tree_map(lambda o: wrap(o, layout) if isinstance(o, torch.Tensor) else o, out)
 
     return run

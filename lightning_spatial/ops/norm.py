@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from ..collectives import across_detached
 from ..layout import Axis
-from ..tensor import localize, unwrap, wrap
+from ..tensor import adopt, localize, unwrap, wrap
 from ._binding import bound
 from ._common import spatial_shards
 
@@ -93,7 +93,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     x, layout = unwrap(input)
     shards = list(spatial_shards("batch_norm", x, layout, x.dim() - 2).values())
     if not training and running_mean is not None:
-        return wrap(F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
+        return adopt(F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(d - x.dim() for d in range(x.dim()) if d != 1)
     count = math.prod(layout.global_shape(x)[d] for d in dims)
     data_axis = _data_axis.get()
@@ -108,7 +108,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         with torch.no_grad():
             running_mean.mul_(1 - momentum).add_(mean.flatten(), alpha=momentum)
             running_var.mul_(1 - momentum).add_(var.flatten() * (count / (count - 1)), alpha=momentum)
-    return wrap(out, layout)
+    return adopt(out, layout)
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
@@ -121,7 +121,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     per_group = [1, num_groups, c // num_groups] + [1] * (x.dim() - 2)  # channel parameters against grouped x
     weight, bias = (None if p is None else p.view(per_group) for p in (weight, bias))
     out, _, _ = _normalize(grouped, dims, shards, count, eps, weight, bias)
-    return wrap(out.reshape(x.shape), layout)
+    return adopt(out.reshape(x.shape), layout)
 
 
 def instance_norm(
@@ -130,7 +130,7 @@ def instance_norm(
     x, layout = unwrap(input)
     shards = list(spatial_shards("instance_norm", x, layout, x.dim() - 2).values())
     if not use_input_stats:
-        return wrap(F.instance_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
+        return adopt(F.instance_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(range(-(x.dim() - 2), 0))
     count = math.prod(layout.global_shape(x)[2:])
     out, mean, var = _normalize(x, dims, shards, count, eps, _channel(weight, x.dim()), _channel(bias, x.dim()))
@@ -148,7 +148,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     dims = tuple(range(-k, 0))
     shards = [s for s in layout.shards if s.dim in dims]
     if not shards:  # over channels only (ConvNeXt's LayerNorm2d): local
-        return wrap(F.layer_norm(x, x.shape[-k:], weight, bias, eps), layout)
+        return adopt(F.layer_norm(x, x.shape[-k:], weight, bias, eps), layout)
     count = math.prod(layout.global_shape(x)[-k:])
     weight, bias = (localize(F.layer_norm, p, layout) for p in (weight, bias))  # they cover the global dims
     out, _, _ = _normalize(x, dims, shards, count, eps, weight, bias)

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from ..collectives import across_detached
 from ..layout import DimShard, Layout, LayoutError
-from ..tensor import SpatialTensor, fallback, localize, unwrap, wrap
+from ..tensor import SpatialTensor, adopt, fallback, localize, on_shard, unwrap, wrap
 from ._binding import bound, raise_torch_error
+from ._common import require_replicated
 
 
 def _sizes(shape) -> tuple:
@@ -67,7 +68,7 @@ def _reshape(func):
         new = track(layout, global_in, global_out)
         if new is None:
             return fallback(func, (input, *shape), {})
-        return wrap(func(x, new.local_shape(global_out)), new)
+        return adopt(func(x, new.local_shape(global_out)), new)
 
     return reshape
 
@@ -83,7 +84,7 @@ def _shape_op(func):
         new = track(layout, global_in, global_out)
         if new is None:
             return fallback(func, (input, *args), kwargs)
-        return wrap(x.reshape(new.local_shape(global_out)), new)
+        return adopt(x.reshape(new.local_shape(global_out)), new)
 
     return op
 
@@ -92,11 +93,11 @@ def _permute_op(func):
     """permute/transpose/movedim/mT: the sharded dims move with the data."""
 
     def permute(input, *args, **kwargs):
-        x, layout = unwrap(input)
         call = (args, tuple(sorted(kwargs.items())) if kwargs else ())
         if not all(type(a) is int for a in args) or kwargs:  # dims as lists: tuples, to key the cache
             call = _freeze(call)
-        return wrap(func(x, *args, **kwargs), _moved(func, layout, x.dim(), call))
+        out = on_shard(func, input, *args, **kwargs)
+        return adopt(out, _moved(func, input._layout, out.dim(), call))
 
     return permute
 
@@ -125,7 +126,7 @@ def _expand(func):
                     f"expand: dim {s.dim} is sharded with global size {s.extent}, cannot expand to {sizes[s.dim]}"
                 )
             sizes[s.dim] = -1
-        return wrap(func(x, sizes), layout)
+        return adopt(func(x, sizes), layout)
 
     return expand
 
@@ -218,7 +219,7 @@ def getitem(input, index):
     ndim = x.dim()
     if mapping is None or any(ndim + d not in mapping for d in layout.dims):
         return fallback(torch.Tensor.__getitem__, (input, index), {})
-    return wrap(x[index], layout.moved({d: mapping[ndim + d] for d in layout.dims}))
+    return adopt(x[index], layout.moved({d: mapping[ndim + d] for d in layout.dims}))
 
 
 def one_hot(input, num_classes=-1):
@@ -231,10 +232,11 @@ def one_hot(input, num_classes=-1):
 
 
 def linear(input, weight, bias=None):
-    x, layout = unwrap(input)
+    require_replicated("linear", weight=weight, bias=bias)
+    layout = input._layout
     if layout.get(-1) is not None:
         raise LayoutError("linear: the last dim (features) is sharded; shard only spatial dims")
-    return wrap(F.linear(x, weight, bias), layout)
+    return adopt(on_shard(F.linear, input, weight, bias), layout)
 
 
 def _registrations() -> dict:
