@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from ..collectives import across_detached
 from ..layout import Axis
-from ..tensor import adopt, localize, unwrap, wrap
+from ..tensor import adopt, localize, unwrap
 from ._binding import bound
 from ._common import spatial_shards
 
@@ -139,7 +139,7 @@ def instance_norm(
             running_mean.mul_(1 - momentum).add_(mean.flatten(2).mean((0, 2)), alpha=momentum)
             unbiased = var.flatten(2).mean((0, 2)) * (count / max(count - 1, 1))
             running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
-    return wrap(out, layout)
+    return adopt(out, layout)
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -152,7 +152,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     count = math.prod(layout.global_shape(x)[-k:])
     weight, bias = (localize(F.layer_norm, p, layout) for p in (weight, bias))  # they cover the global dims
     out, _, _ = _normalize(x, dims, shards, count, eps, weight, bias)
-    return wrap(out, layout)
+    return adopt(out, layout)
 
 
 HANDLERS = (
