@@ -31,7 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from ..collectives import across_detached
 from ..layout import Layout
-from ..tensor import SpatialTensor, fallback, gather, localize, unwrap, wrap
+from ..tensor import SpatialTensor, adopt, fallback, gather, localize, unwrap, wrap
 from ._common import meta_check, moved_shards
 
 
@@ -61,7 +61,7 @@ def scaled_dot_product_attention(
     if lk is None:  # queries sharded (or replicated), all keys here: torch's own attention on our queries
         if dropout_p > 0:
             return _math(query, key, value, attn_mask, dropout_p, scale)
-        return wrap(F.scaled_dot_product_attention(q, k, v, _local_mask(attn_mask, lq), scale=scale), lq)
+        return adopt(F.scaled_dot_product_attention(q, k, v, _local_mask(attn_mask, lq), scale=scale), lq)
     if dropout_p > 0 or (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad):
         return _math(query, key, value, attn_mask, dropout_p, scale)
     # the fused kernels want rows of unit stride: torch 2.11's CPU flash kernel reads strided ones wrongly, silently

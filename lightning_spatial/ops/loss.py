@@ -19,7 +19,7 @@ from torch.nn._reduction import get_enum, legacy_get_string
 
 from ..collectives import across
 from ..layout import LayoutError
-from ..tensor import SpatialTensor, common_layout, localize, unwrap, wrap
+from ..tensor import SpatialTensor, adopt, common_layout, localize, unwrap
 from ._binding import bound
 
 
@@ -64,7 +64,7 @@ def _loss(fn):
         per_element = fn(**{**params, "reduction": "none"})
         shards = list(layout.shards)
         if reduction == "none":
-            return wrap(per_element, layout)
+            return adopt(per_element, layout)
         total = across(per_element.sum(), shards)
         if reduction == "sum":
             return total

@@ -13,7 +13,7 @@ import torch
 
 from ..collectives import across
 from ..layout import DimShard, Layout, LayoutError
-from ..tensor import fallback, name_of, unwrap, wrap
+from ..tensor import adopt, fallback, name_of, unwrap
 from ._common import meta_check, moved_shards
 
 
@@ -50,7 +50,7 @@ def _product(func):
         if contracted:
             result = across(result, contracted)
         kept = (*rows, *cols, *batch)
-        return wrap(result, Layout(kept) if kept else None)
+        return adopt(result, Layout(kept) if kept else None)
 
     return product
 

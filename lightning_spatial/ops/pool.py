@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..collectives import across_detached, all_reduce
 from ..halo import fetch_window
 from ..layout import DimShard, adaptive_bins, conv_window, partition, pool_out_size
-from ..tensor import unwrap, wrap
+from ..tensor import adopt, unwrap
 from ._binding import bound
 from ._common import (
     Windows,
@@ -84,11 +84,11 @@ def _max_pool(nd: int):
             out, indices = _MAX[nd](xw, kernel, stride, local_pad, dilation, ceil_mode, return_indices=True)
         out_layout = output_layout(layout, shards, out_sizes)
         if not return_indices:
-            return wrap(out, out_layout)
+            return adopt(out, out_layout)
         offsets = [windows.start(i) if i in shards else 0 for i in range(nd)]
         global_sizes = layout.global_shape(x)[-nd:]
         indices = _globalize(indices, xw.shape[-nd:], offsets, global_sizes)
-        return wrap(out, out_layout), wrap(indices, out_layout)
+        return adopt(out, out_layout), adopt(indices, out_layout)
 
     max_pool.__name__ = op
     return max_pool
@@ -151,7 +151,7 @@ def _avg_pool(nd: int):
                 d = d.view(-1, *([1] * (nd - 1 - i)))
                 divisor = d if divisor is None else divisor * d
             out = total / divisor
-        return wrap(out, output_layout(layout, shards, out_sizes))
+        return adopt(out, output_layout(layout, shards, out_sizes))
 
     avg_pool.__name__ = op
     return avg_pool
@@ -258,8 +258,8 @@ def adaptive_pool(nd: int, kind: str):
             {s.dim: sizes[i] if sizes[i] >= s.axis.size else None for i, s in shards.items()}
         )
         if return_indices:
-            return wrap(y, out_layout), wrap(flat, out_layout)
-        return wrap(y, out_layout)
+            return adopt(y, out_layout), adopt(flat, out_layout)
+        return adopt(y, out_layout)
 
     adaptive.__name__ = op
     return adaptive

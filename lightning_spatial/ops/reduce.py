@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..collectives import across, across_detached
 from ..layout import Layout
-from ..tensor import SpatialTensor, fallback, localize, unwrap, wrap
+from ..tensor import SpatialTensor, adopt, fallback, localize, unwrap
 from ._binding import bound
 from .elementwise import elementwise
 from .select import select
@@ -68,7 +68,7 @@ def _detached_max(x: torch.Tensor, dims, shards) -> torch.Tensor:
 def _finish(out: torch.Tensor, dims, keepdim: bool, layout: Layout) -> torch.Tensor:
     if not keepdim:
         out = out.squeeze(dims) if dims else out
-    return wrap(out, reduced_layout(layout, dims, keepdim))
+    return adopt(out, reduced_layout(layout, dims, keepdim))
 
 
 def _count(layout: Layout, x: torch.Tensor, dims) -> int:
@@ -85,7 +85,7 @@ def _reduction(kind: str):
             torch.mean(torch.empty(0, dtype=x.dtype, device="meta"))  # torch's own error for an integer mean
         options = {"dtype": dtype} if dtype is not None else {}
         if not shards:  # only unsharded dims: torch's own op on the shard
-            return wrap(getattr(torch, kind)(x, dims, keepdim, **options), reduced_layout(layout, dims, keepdim))
+            return adopt(getattr(torch, kind)(x, dims, keepdim, **options), reduced_layout(layout, dims, keepdim))
         if kind in ("sum", "mean"):
             total = across(x.sum(dims, keepdim=True, **options), shards)
             result = total if kind == "sum" else total / _count(layout, x, dims)
@@ -106,7 +106,7 @@ def _moments(kind: str):
         correction = (1 if unbiased else 0) if correction is None else correction
         if not shards:
             local = getattr(torch, kind)(x, dims, correction=correction, keepdim=keepdim)
-            return wrap(local, reduced_layout(layout, dims, keepdim))
+            return adopt(local, reduced_layout(layout, dims, keepdim))
         count = _count(layout, x, dims)
         mean = across(x.sum(dims, keepdim=True), shards) / count
         squares = across(((x - mean) ** 2).sum(dims, keepdim=True), shards)
@@ -120,7 +120,7 @@ def _moments(kind: str):
 def vector_norm(input, ord=2, dim=None, keepdim=False, dtype=None):
     x, layout, dims, shards = _operands(input, dim, dtype)
     if not shards:
-        return wrap(torch.linalg.vector_norm(x, ord, dims, keepdim), reduced_layout(layout, dims, keepdim))
+        return adopt(torch.linalg.vector_norm(x, ord, dims, keepdim), reduced_layout(layout, dims, keepdim))
     if ord == math.inf:
         result = across(x.abs().amax(dims, keepdim=True), shards, MAX)
     elif ord == -math.inf:
@@ -145,7 +145,7 @@ def norm(input, p="fro", dim=None, keepdim=False, dtype=None):
 def logsumexp(input, dim, keepdim=False):
     x, layout, dims, shards = _operands(input, dim)
     if not shards:
-        return wrap(torch.logsumexp(x, dims, keepdim), reduced_layout(layout, dims, keepdim))
+        return adopt(torch.logsumexp(x, dims, keepdim), reduced_layout(layout, dims, keepdim))
     m = _detached_max(x, dims, shards)
     total = across(torch.exp(x - m).sum(dims, keepdim=True), shards)
     return _finish(total.log() + m, dims, keepdim, layout)
@@ -159,12 +159,12 @@ def _softmax(log: bool):
             dim = F._get_softmax_dim(name, input.dim(), _stacklevel + 2)
         x, layout, dims, shards = _operands(input, dim, dtype)
         if not shards:
-            return wrap((torch.log_softmax if log else torch.softmax)(x, dim), layout)
+            return adopt((torch.log_softmax if log else torch.softmax)(x, dim), layout)
         m = _detached_max(x, dims, shards)
         shifted = x - m
         total = across(torch.exp(shifted).sum(dims, keepdim=True), shards)
         out = shifted - total.log() if log else torch.exp(shifted) / total
-        return wrap(out, layout)
+        return adopt(out, layout)
 
     softmax.__name__ = name
     return softmax
@@ -256,7 +256,7 @@ def _logical(kind: str):
         x, layout, dims, shards = _operands(input, dim)
         local = getattr(torch, kind)(x, dims, keepdim=keepdim or bool(shards))
         if not shards:
-            return wrap(local, reduced_layout(layout, dims, keepdim))
+            return adopt(local, reduced_layout(layout, dims, keepdim))
         result = across_detached(local.to(torch.uint8), shards, MIN if kind == "all" else MAX).to(local.dtype)
         return _finish(result, dims, keepdim, layout)
 

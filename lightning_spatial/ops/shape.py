@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..collectives import across_detached
 from ..layout import DimShard, Layout, LayoutError
-from ..tensor import SpatialTensor, adopt, fallback, localize, on_shard, unwrap, wrap
+from ..tensor import SpatialTensor, adopt, fallback, localize, on_shard, unwrap
 from ._binding import bound, raise_torch_error
 from ._common import require_replicated
 
@@ -151,7 +151,7 @@ def _join(func):
         except RuntimeError:  # sizes that do not match: torch's message names the global ones
             raise_torch_error(func, (tensors, dim), {})
             raise
-        return wrap(local, layout.moved({d: d - (stacks and ndim - 1 + d < at) for d in layout.dims}))
+        return adopt(local, layout.moved({d: d - (stacks and ndim - 1 + d < at) for d in layout.dims}))
 
     return join
 
@@ -176,7 +176,7 @@ def _split(func):
         if any(x.dim() + d == at for d in layout.dims):
             return fallback(func, (input,), {"dim": dim, **sizes})
         new = layout.moved({d: d + (removes and x.dim() + d < at) for d in layout.dims})
-        return tuple(wrap(o, new) for o in func(x, dim=dim, **sizes))
+        return tuple(adopt(o, new) for o in func(x, dim=dim, **sizes))
 
     return split
 
@@ -228,7 +228,7 @@ def one_hot(input, num_classes=-1):
     if num_classes == -1:
         top = across_detached(x.max().reshape(1), layout.shards, dist.ReduceOp.MAX)
         num_classes = int(top) + 1  # torch's one_hot syncs here too
-    return wrap(F.one_hot(x, num_classes), layout.moved({d: d - 1 for d in layout.dims}))
+    return adopt(F.one_hot(x, num_classes), layout.moved({d: d - 1 for d in layout.dims}))
 
 
 def linear(input, weight, bias=None):
