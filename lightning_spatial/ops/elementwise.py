@@ -146,13 +146,11 @@ def elementwise(func: Callable) -> Callable:
             kwargs = {k: localize(func, v, layout) for k, v in kwargs.items()}
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
+        for a in args:
+            if out is a:  # in-place, or an operand returned as it is (``x.float()`` of a float x)
+                return out if isinstance(a, SpatialTensor) else wrap(out, layout)
         if type(out) is torch.Tensor:  # the common case, without a pytree walk
-            for a in args:
-                if out is a:  # in-place, or an operand returned as it is (``x.float()`` of a float x)
-                    return out if isinstance(a, SpatialTensor) else wrap(out, layout)
             return adopt(out, layout)
-        if args and out is args[0]:  # in-place on a sharded operand: it already carries its layout
-            return out
         return tree_map(lambda o: wrap(o, layout) if isinstance(o, torch.Tensor) else o, out)
 
     return run
