@@ -139,6 +139,7 @@ def strategy(args):
 
 def main() -> None:
     args = parse()
+    os.makedirs(args.out, exist_ok=True)
     devices = 1 if args.strategy in ("single", "horovod") else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     model, loader = model_and_data(args, (args.warmup + args.steps) * args.batch * 8)
     name = f"profile_{args.strategy}_{args.model}_{args.precision}_{os.getpid()}.txt"  # one per run; options inside

@@ -349,6 +349,7 @@ def setup(args) -> tuple[torch.device, bool]:
 
 def main() -> None:
     args = parse()
+    os.makedirs(args.out, exist_ok=True)  # a missing folder would cost the run its first row
     device, real = setup(args)
     rows = []
     grid = [  # precision outermost: a bf16 failure cannot cost the fp32 rows

@@ -127,7 +127,9 @@ def test_multirun_sweep(tmp_path):
 
 
 def test_benchmark_smoke_on_cpu(tmp_path):
-    """The benchmark script runs end to end at a toy size (fake process group); no timing is asserted."""
+    """The benchmark script runs end to end at a toy size (fake process group), into a folder it creates; no
+    timing is asserted."""
+    out = tmp_path / "rows"
     cmd = [
         sys.executable,
         str(ROOT / "recipes" / "benchmark.py"),
@@ -150,11 +152,11 @@ def test_benchmark_smoke_on_cpu(tmp_path):
         "--warmup",
         "0",
         "--out",
-        str(tmp_path),
+        str(out),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
     assert [(r["spatial"], r["tiles"]) for r in rows] == [(2, "1x2"), (2, "1x2"), (4, "1x4"), (4, "2x2")]
     assert all(r["halo_mib_per_step"] > 0 and r["ours_ms"] > 0 for r in rows)
 
