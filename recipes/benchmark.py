@@ -14,7 +14,11 @@ largest over the ranks. ``recipes/scaling.py`` drives the whole multi-GPU grid a
 
 For each configuration it times, in the same process: the plain model on one rank's share of the input
 ("shard-only": the ideal, no halo, no communication) and our spatial step on that rank (forward,
-backward, AdamW). Ratios ours/shard-only are the numbers that matter. CPU smoke run (CI):
+backward, AdamW). Ratios ours/shard-only are the numbers that matter. Both steps zero the gradients where
+Lightning's Trainer does, after the forward pass (``--zero-grad after_forward``): the last step's gradients
+live through the forward, in DDP's buckets for ours and as ``.grad`` for the plain model, so the peaks compare
+what a Trainer run holds. ``after_step`` frees them before the next forward, as a raw loop may; DDP's buckets
+cannot be freed, so there ours carries one gradient's size (1.3 GiB for ConvNeXt-XL) more. CPU smoke run (CI):
 
     python recipes/benchmark.py --device cpu --model convnext_atto --batch 1 --height 64 --widths 256 \\
         --spatial 2 --steps 1 --warmup 0
@@ -65,6 +69,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--profile", action="store_true", help="where one spatial step's time goes (torch.profiler)")
     p.add_argument(
+        "--zero-grad",
+        default="after_forward",
+        choices=["after_forward", "after_step"],
+        help="where a step sets the gradients to None: after the forward pass, as Lightning's Trainer does "
+        "(the last step's live through the forward), or after the optimizer step",
+    )
+    p.add_argument(
         "--fake-p2p",
         default="noop",
         choices=["noop", "backend"],
@@ -111,15 +122,20 @@ def measure(step, device, steps: int, warmup: int) -> tuple[float, float]:
     return statistics.median(times), peak
 
 
-def train_step(task, model, optimizer, make_input, precision: str, device: torch.device):
+def train_step(task, model, optimizer, make_input, precision: str, device: torch.device, zero_grad: str):
+    """One training step; ``zero_grad`` is where it sets the gradients to None (see the module docstring)."""
+
     def step():
         x = make_input()
         ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
         with ctx:
             loss = task.loss(model, x)
+        if zero_grad == "after_forward":  # Lightning's closure: training_step, zero_grad, backward
+            optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if zero_grad == "after_step":
+            optimizer.zero_grad(set_to_none=True)
 
     return step
 
@@ -159,6 +175,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         "baseline": task.baseline,
         "backend": dist.get_backend() if real else "fake",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "zero_grad": args.zero_grad,
     }
     gen = torch.Generator(device=device).manual_seed(rank)
     baseline = args.baseline != "0" and (not real or rank == 0)
@@ -170,7 +187,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
 
     def alone() -> tuple[float, float]:
         model, opt = build(task, device, ckpt)
-        step = train_step(task, model, opt, make_input(alone_shape), precision, device)
+        step = train_step(task, model, opt, make_input(alone_shape), precision, device, args.zero_grad)
         result = measure(step, device, args.steps, args.warmup)
         del model, opt, step
         free(device)
@@ -202,7 +219,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     if not real:  # the fake backend's all-reduce yields no tensor; DDP's hook must hand one back
         ddp.register_comm_hook(None, _completed)
     row["grad_allreduce_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    step = train_step(task, ddp, opt, make_input(local, layout_obj), precision, device)
+    step = train_step(task, ddp, opt, make_input(local, layout_obj), precision, device, args.zero_grad)
     row["ours_ms"], row["ours_gib"] = measure(step, device, args.steps, args.warmup)
     if real:  # the rank that needs most memory is the one that matters
         row["ours_gib_ranks"] = every_rank(row["ours_gib"])

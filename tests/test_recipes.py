@@ -158,7 +158,7 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
     assert [(r["spatial"], r["tiles"]) for r in rows] == [(2, "1x2"), (2, "1x2"), (4, "1x4"), (4, "2x2")]
-    assert all(r["halo_mib_per_step"] > 0 and r["ours_ms"] > 0 for r in rows)
+    assert all(r["halo_mib_per_step"] > 0 and r["ours_ms"] > 0 and r["zero_grad"] == "after_forward" for r in rows)
 
 
 @pytest.mark.slow

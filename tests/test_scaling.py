@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -37,6 +38,39 @@ def test_profile_kinds(name, cuda, kind):
 def test_covered_counts_overlaps_once():
     assert benchmark._covered([]) == 0
     assert benchmark._covered([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (2.5, 2.75), (6.0, 6.5)]) == 5.0
+
+
+class _GradientsSeenByForward(torch.nn.Linear):
+    """Records, at each forward, whether its weight still holds the last step's gradient."""
+
+    seen: list[bool]
+
+    def forward(self, x):
+        self.seen.append(self.weight.grad is not None)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("zero_grad, seen", [("after_forward", [False, True, True]), ("after_step", [False] * 3)])
+def test_benchmark_steps_free_gradients_where_they_say(zero_grad, seen):
+    """The benchmark's steps free the gradients where Lightning's closure does (after the forward pass: the last
+    step's live through it) or, as a raw loop may, after the optimizer step: what a peak-memory row compares."""
+
+    class Task:
+        def loss(self, model, x):
+            return model(x).square().mean()
+
+    model = _GradientsSeenByForward(3, 2)
+    model.seen = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = benchmark.train_step(
+        Task(), model, optimizer, lambda: torch.randn(4, 3), "fp32", torch.device("cpu"), zero_grad
+    )
+    fresh = []  # each backward's own gradient: what .grad holds after it unless gradients accumulate
+    model.weight.register_hook(lambda grad: fresh.append(grad.clone()))
+    for _ in range(3):
+        step()
+    assert model.seen == seen
+    assert model.weight.grad is None if zero_grad == "after_step" else torch.equal(model.weight.grad, fresh[-1])
 
 
 @pytest.mark.slow
