@@ -152,20 +152,44 @@ def test_hungarian_matching_finds_the_permutation():
     codes[0, queries] = targets
     logits = torch.full((1, 8, 10), -5.0)
     logits[0, queries, labels] = 5.0
-    batch, query, matched, matched_labels = head.match(logits, codes, [targets], [labels])
+    (batch, query, matched, matched_labels), again = head.match(
+        torch.stack([logits] * 2), torch.stack([codes] * 2), [targets], [labels]
+    )
+    assert all(torch.equal(a, b) for a, b in zip(again, (batch, query, matched, matched_labels)))  # per layer
     assert batch.tolist() == [0] * 4
     for q, code, label in zip(query, matched, matched_labels):
         j = queries.tolist().index(q)
         assert torch.equal(code, targets[j]) and label == labels[j]
 
 
+def test_matching_all_layers_and_samples_at_once_equals_matching_each_alone():
+    """The matching copies every layer's and sample's cost in one go (one wait for the GPU): each pair's
+    matches, an empty scene's none included, are the ones it gets matched alone."""
+    head, g = QueryHead(16, 10, RANGE), torch.Generator().manual_seed(4)
+    counts = [3, 0, 5]
+    targets = [box_code.encode(random_boxes(n, g)) for n in counts]
+    labels = [torch.randint(0, 10, (n,), generator=g) for n in counts]
+    logits, codes = torch.randn(2, 3, 12, 10, generator=g), torch.randn(2, 3, 12, 10, generator=g) * 20
+    layers = head.match(logits, codes, targets, labels)
+    for k, (batch, query, matched, matched_labels) in enumerate(layers):
+        for i in range(3):
+            ((_, alone, alone_codes, alone_labels),) = head.match(
+                logits[k : k + 1, i : i + 1], codes[k : k + 1, i : i + 1], targets[i : i + 1], labels[i : i + 1]
+            )
+            mine = batch == i
+            assert torch.equal(query[mine], alone) and torch.equal(matched[mine], alone_codes)
+            assert torch.equal(matched_labels[mine], alone_labels) and len(alone) == counts[i]
+
+
 def test_diverged_predictions_fail_the_matching_with_a_way_out():
     """A NaN box code (bf16 training that diverged) reaches the matching: a clear error, not scipy's own."""
     head = QueryHead(16, 10, RANGE)
     targets = box_code.encode(random_boxes(3, torch.Generator().manual_seed(3)))
-    codes, logits = torch.randn(1, 8, 10), torch.randn(1, 8, 10)
-    codes[0, 5, 2] = float("nan")
-    with pytest.raises(FloatingPointError, match=r"sample 0: .*box codes finite: False.*lower learning rate"):
+    codes, logits = torch.randn(2, 1, 8, 10), torch.randn(2, 1, 8, 10)
+    codes[1, 0, 5, 2] = float("nan")
+    with pytest.raises(
+        FloatingPointError, match=r"sample 0 \(decoder layer 1\): .*codes finite: False.*lower learning"
+    ):
         head.match(logits, codes, [targets], [torch.tensor([0, 1, 2])])
 
 

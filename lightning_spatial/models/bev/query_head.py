@@ -72,22 +72,36 @@ class QueryHead(nn.Module):
         l1 = torch.cdist(codes[:, :8], targets[:, :8], p=1)
         return self.cls_weight * (positive - negative)[:, labels] + self.box_weight * l1
 
-    def match(self, logits, codes, targets, labels):
-        """Per-sample Hungarian matching on the detached cost -> batch index, query index, target code and
-        target label of every matched pair."""
-        found = []
-        for i, (target, label) in enumerate(zip(targets, labels)):
-            cost = self._cost(logits[i].float(), codes[i].float(), target, label).cpu().numpy()
-            if not np.isfinite(cost).all():  # the matching syncs anyway: the check costs no extra wait
-                raise FloatingPointError(
-                    f"Hungarian matching of sample {i}: the predictions hold NaN or inf (logits finite: "
-                    f"{bool(logits[i].isfinite().all())}, box codes finite: {bool(codes[i].isfinite().all())}), "
-                    "so training has diverged. Resume from an earlier checkpoint with a lower learning rate "
-                    "(model.lr), a tighter trainer.gradient_clip_val, or trainer.precision=32-true"
-                )
-            query, gt = (torch.as_tensor(a, device=logits.device) for a in linear_sum_assignment(cost))
-            found.append((torch.full_like(query, i), query, target[gt], label[gt]))
-        return [torch.cat(column) for column in zip(*found)]
+    def match(self, logits, codes, targets, labels) -> list[list[torch.Tensor]]:
+        """Hungarian matching of every decoder layer and sample on the detached cost, with one device-to-host
+        copy of all costs and one copy of all matches back (a copy per layer and sample waited for the GPU each
+        time): logits (L, B, Q, K), codes (L, B, Q, 10) -> per layer the batch index, query index, target code
+        and target label of every matched pair."""
+        layers, batch = logits.shape[:2]
+        costs = [
+            self._cost(logits[k, i].float(), codes[k, i].float(), targets[i], labels[i])
+            for k in range(layers)
+            for i in range(batch)
+        ]
+        host = torch.cat([c.flatten() for c in costs]).cpu().numpy()
+        if not np.isfinite(host).all():  # the matching syncs anyway: the check costs no extra wait
+            k, i = divmod(next(j for j, c in enumerate(costs) if not c.isfinite().all()), batch)
+            raise FloatingPointError(
+                f"Hungarian matching of sample {i} (decoder layer {k}): the predictions hold NaN or inf (logits "
+                f"finite: {bool(logits[k, i].isfinite().all())}, box codes finite: "
+                f"{bool(codes[k, i].isfinite().all())}), so training has diverged. Resume from an earlier "
+                "checkpoint with a lower learning rate (model.lr), a tighter trainer.gradient_clip_val, or "
+                "trainer.precision=32-true"
+            )
+        ends = np.cumsum([c.numel() for c in costs])
+        pairs = [linear_sum_assignment(c.reshape(cost.shape)) for c, cost in zip(np.split(host, ends[:-1]), costs)]
+        counts = [len(query) for query, _ in pairs]
+        on_device = torch.as_tensor(np.concatenate([np.concatenate(p) for p in pairs]), device=logits.device)
+        found = [[] for _ in range(layers)]
+        for j, (both, n) in enumerate(zip(on_device.split([2 * n for n in counts]), counts)):
+            (k, i), (query, gt) = divmod(j, batch), both.split([n, n])
+            found[k].append((torch.full_like(query, i), query, targets[i][gt], labels[i][gt]))
+        return [[torch.cat(column) for column in zip(*layer)] for layer in found]
 
     def loss(self, outputs, boxes, labels, normaliser=lambda count: count) -> dict[str, torch.Tensor]:
         """Summed over decoder layers; each layer's terms are normalised by the batch's box count (``normaliser``
@@ -98,8 +112,10 @@ class QueryHead(nn.Module):
         num_boxes = normaliser(count).clamp(min=1)
         weights = outputs["codes"].new_tensor(box_code.CODE_WEIGHTS)
         terms = []
-        for logits, codes in zip(outputs["logits"], outputs["codes"]):
-            batch, query, matched_codes, matched_labels = self.match(logits, codes, targets, labels)
+        matches = self.match(outputs["logits"], outputs["codes"], targets, labels)
+        for logits, codes, (batch, query, matched_codes, matched_labels) in zip(
+            outputs["logits"], outputs["codes"], matches
+        ):
             classes = torch.zeros_like(logits)
             classes[batch, query, matched_labels] = 1
             cls = self.cls_weight * sigmoid_focal_loss(logits, classes) / num_boxes
