@@ -318,6 +318,10 @@ def test_bad_input_raises_before_the_backbone_runs(name):
         model(wrong_size)
     with pytest.raises(ValueError, match=r"images must be \(B, N, 3, H, W\), got \(12, 3, 32, 88\)"):
         model({**batch, "images": batch["images"].flatten(0, 1)})
+    singular = batch["lidar2img"].clone()
+    singular[1, 4, 3] = 0  # a projection that lost its homogeneous row
+    with pytest.raises(ValueError, match=r"lidar2img\[1, 4\] is singular, so no pixel maps back to a ray"):
+        model({**batch, "lidar2img": singular})
     assert not calls
 
 
@@ -388,6 +392,30 @@ def test_denoising_loss_vanishes_for_the_answers():
     assert head.denoise_loss(confident, answers, dn) < 1e-6
     assert head.denoise_loss(confident, answers + 0.1, dn) > 0.2  # 0.25 x (8 x 0.1 + 2 x 0.02) per query
     assert head.denoise_loss(-confident, answers, dn) > 10
+
+
+def test_denoising_loss_counts_the_real_queries_only():
+    """Padding queries (a sample with fewer boxes than the batch's most) add nothing, whatever they predict:
+    the loss is the sum over real queries, here written with boolean indexing (the masks avoid it)."""
+    head, g = QueryHead(16, 10, RANGE), torch.Generator().manual_seed(5)
+    boxes, labels = [random_boxes(3, g), random_boxes(1, g)], [torch.tensor([2, 5, 7]), torch.tensor([4])]
+    low, high = torch.tensor(RANGE[:3]), torch.tensor(RANGE[3:])
+    torch.manual_seed(0)
+    dn = denoising_queries(boxes, labels, groups=2, num_queries=4, low=low, extent=high - low, split=0.75)
+    logits, codes = torch.randn(3, 2, 6, 10, generator=g), torch.randn(3, 2, 6, 10, generator=g)
+    real, positive = dn.real, dn.labels >= 0
+    classes = torch.zeros(2, 6, 10)
+    classes[positive, dn.labels[positive]] = 1
+    target, weights = box_code.encode(dn.boxes[real]), torch.tensor(box_code.CODE_WEIGHTS)
+    expected = sum(
+        head.cls_weight * sigmoid_focal_loss(lo[real], classes[real]) / positive.sum()
+        + head.box_weight * ((co[real] - target).abs() * weights).sum() / real.sum()
+        for lo, co in zip(logits, codes)
+    )
+    torch.testing.assert_close(head.denoise_loss(logits, codes, dn), expected, rtol=1e-6, atol=0)
+    wild_logits, wild_codes = logits.clone(), codes.clone()
+    wild_logits[:, ~real], wild_codes[:, ~real] = 1e4, -1e4
+    torch.testing.assert_close(head.denoise_loss(wild_logits, wild_codes, dn), expected, rtol=1e-6, atol=0)
 
 
 # --- the Lightning loop ---------------------------------------------------------------------------------

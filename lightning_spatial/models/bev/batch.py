@@ -12,15 +12,23 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], wha
         raise ValueError(f"{name} must be {what} = {expected} to match images, got {tuple(tensor.shape)}")
 
 
-def _check_principal_points(name: str, lidar2img: torch.Tensor, height: int, width: int):
-    """The principal point of K in lidar2img[:3, :3] = K R is (KK^T)[:2, 2] / (KK^T)[2, 2] for any rotation R;
-    outside the image it means calibration for another image size (e.g. not rescaled with the images)."""
+def _check_calibration(name: str, lidar2img: torch.Tensor, height: int, width: int):
+    """lidar2img must be invertible (the models invert it without a check of their own, which would wait for
+    the GPU again). The principal point of K in lidar2img[:3, :3] = K R is (KK^T)[:2, 2] / (KK^T)[2, 2] for any
+    rotation R; outside the image it means calibration for another image size (e.g. not rescaled with the
+    images). One wait for the GPU for both."""
+    singular = torch.linalg.inv_ex(lidar2img.double()).info != 0
     m = lidar2img[..., :3, :3].double()
     kkt = m @ m.mT
     centre = kkt[..., :2, 2] / kkt[..., 2:, 2]
     limit = torch.tensor([width, height], dtype=centre.dtype, device=centre.device) - 0.5
     outside = ((centre < -0.5) | (centre > limit)).any(-1)
-    if outside.any():
+    if (singular | outside).any():
+        if singular.any():
+            b, n = (int(i) for i in singular.nonzero()[0])
+            raise ValueError(
+                f"{name}[{b}, {n}] is singular, so no pixel maps back to a ray: {lidar2img[b, n].tolist()}"
+            )
         b, n = (int(i) for i in outside.nonzero()[0])
         cx, cy = centre[b, n].tolist()
         raise ValueError(
@@ -43,7 +51,7 @@ def check_batch(batch: dict[str, Any], temporal: bool = False) -> None:
         _check_shape("prev_images", batch["prev_images"], tuple(images.shape), "(B, N, 3, H, W)")
     for name in fields:
         _check_shape(name, batch[name], (b, n, 4, 4), "(B, N, 4, 4)")
-        _check_principal_points(name, batch[name], h, w)
+        _check_calibration(name, batch[name], h, w)
     if "intrinsics" in batch:
         _check_shape("intrinsics", batch["intrinsics"], (b, n, 3, 3), "(B, N, 3, 3)")
     if "boxes" in batch:

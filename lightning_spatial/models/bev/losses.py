@@ -6,13 +6,21 @@ import torch
 import torch.nn.functional as F
 
 
-def sigmoid_focal_loss(logits: torch.Tensor, targets: torch.Tensor, alpha: float = 0.25, gamma: float = 2.0):
-    """RetinaNet's focal loss with 0/1 targets, summed over all elements."""
+def sigmoid_focal_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    alpha: float = 0.25,
+    gamma: float = 2.0,
+    weight: torch.Tensor | None = None,
+):
+    """RetinaNet's focal loss with 0/1 targets, summed over all elements, each times ``weight`` (broadcast; a
+    0/1 mask selects elements without boolean indexing, which would wait for the GPU)."""
     p = logits.sigmoid()
     ce = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
     p_t = p * targets + (1 - p) * (1 - targets)
     alpha_t = alpha * targets + (1 - alpha) * (1 - targets)
-    return (alpha_t * ce * (1 - p_t) ** gamma).sum()
+    loss = alpha_t * ce * (1 - p_t) ** gamma
+    return (loss if weight is None else loss * weight).sum()
 
 
 def gaussian_focal_loss(logits: torch.Tensor, heatmap: torch.Tensor, alpha: float = 2.0, gamma: float = 4.0):

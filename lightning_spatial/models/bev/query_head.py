@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
@@ -130,16 +131,15 @@ class QueryHead(nn.Module):
     def denoise_loss(self, logits, codes, denoise: Denoising) -> torch.Tensor:
         """The denoising queries' terms, summed over layers: focal loss normalised by the positive queries, L1
         towards each query's own box (positive or not, as StreamPETR) normalised by the real queries."""
-        real, labels = denoise.real, denoise.labels
-        classes = torch.zeros_like(logits[0])
-        positive = labels >= 0
-        classes[positive, labels[positive]] = 1
-        target = box_code.encode(denoise.boxes[real].float())
-        weights = codes.new_tensor(box_code.CODE_WEIGHTS)
+        positive = denoise.labels >= 0
+        classes = F.one_hot(denoise.labels.clamp(min=0), logits.shape[-1]).to(logits.dtype) * positive[..., None]
+        real = denoise.real[..., None].to(codes.dtype)  # masks multiply: boolean indexing would wait for the GPU
+        target = box_code.encode(denoise.boxes.float())  # padding's zero sizes encode finite (clamped)
+        weights = codes.new_tensor(box_code.CODE_WEIGHTS) * real
         total = 0
         for layer_logits, layer_codes in zip(logits, codes):
-            cls = sigmoid_focal_loss(layer_logits[real], classes[real]) / positive.sum().clamp(min=1)
-            box = ((layer_codes[real] - target).abs() * weights).sum() / real.sum().clamp(min=1)
+            cls = sigmoid_focal_loss(layer_logits, classes, weight=real) / positive.sum().clamp(min=1)
+            box = ((layer_codes - target).abs() * weights).sum() / denoise.real.sum().clamp(min=1)
             total = total + self.cls_weight * cls + self.box_weight * box
         return total
 
