@@ -3,7 +3,8 @@
 When a rank's GPU work per step is short (bf16 ConvNeXt-XL at S=8: 75 ms), this per-op host time decides
 the step time (docs/benchmarks.md). Tiny CPU tensors keep compute negligible; one process with PyTorch's
 ``fake`` process group (halo messages skipped, as in benchmark.py) stands for an interior rank of
-``--spatial`` ranks sharded along the width:
+``--spatial`` ranks sharded along the width. The "protocol alone" rows time a subclass whose
+``__torch_function__`` only runs the op: the floor our dispatch stands on.
 
     python recipes/dispatch_overhead.py --calls 2000
 """
@@ -45,6 +46,19 @@ def per_call_us(fn, x, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+class _Minimal(torch.Tensor):
+    """The least a ``__torch_function__`` subclass can do (run the op, keep the class): the protocol's own cost,
+    the floor under our dispatch."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if type(out) is torch.Tensor:
+            out.__class__ = cls
+        return out
+
+
 def main() -> None:
     args = parse()
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -73,6 +87,10 @@ def main() -> None:
         plain = per_call_us(fn, x, args.calls, args.repeats)
         sharded = per_call_us(fn, wrap(x, layout), args.calls, args.repeats)
         print(f"{name:32} {plain:9.1f} {sharded:11.1f} {sharded - plain:9.1f}", flush=True)
+    for name in ("gelu", "add"):  # the floor: no layout, no checks
+        plain = per_call_us(ops[name], x, args.calls, args.repeats)
+        minimal = per_call_us(ops[name], x.as_subclass(_Minimal), args.calls, args.repeats)
+        print(f"{name + ', protocol alone':32} {plain:9.1f} {minimal:11.1f} {minimal - plain:9.1f}", flush=True)
     model = timm.create_model(args.model, pretrained=False, num_classes=10)
     shard = torch.randn(1, 3, 32, 128)  # rank 1's columns of a 32 x 128*S image: no stage is thinner than a halo
     image_layout = Layout((DimShard(-1, Axis.from_group(), 128 * args.spatial),))

@@ -136,6 +136,22 @@ def elementwise(func: Callable) -> Callable:
     inplace = is_inplace(func)
 
     def run(*args, **kwargs):
+        if kwargs or len(args) > 2 or type(args[0]) is not SpatialTensor:
+            return general(args, kwargs)
+        # the common cases, on the host path of every activation: ``gelu(x)``, ``x + y``, ``x * scale``
+        layout = args[0]._layout
+        if len(args) == 2:
+            other = args[1]
+            if type(other) is SpatialTensor:
+                if other._layout is not layout and other._layout != layout:
+                    common_layout(func, args)  # raises, naming both layouts
+            elif isinstance(other, torch.Tensor):
+                args = (args[0], localize(func, other, layout))
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args)
+        return _result(out, args, layout)
+
+    def general(args, kwargs):
         if (inplace and not isinstance(args[0], SpatialTensor)) or (
             kwargs and isinstance(kwargs.get("out"), torch.Tensor) and not isinstance(kwargs["out"], SpatialTensor)
         ):
@@ -146,14 +162,20 @@ def elementwise(func: Callable) -> Callable:
             kwargs = {k: localize(func, v, layout) for k, v in kwargs.items()}
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        for a in args:
-            if out is a:  # in-place, or an operand returned as it is (``x.float()`` of a float x)
-                return out if isinstance(a, SpatialTensor) else wrap(out, layout)
-        if type(out) is torch.Tensor:  # the common case, without a pytree walk
-            return adopt(out, layout)
-        return tree_map(lambda o: wrap(o, layout) if isinstance(o, torch.Tensor) else o, out)
+        return _result(out, args, layout)
 
     return run
+
+
+def _result(out, operands, layout):
+    """``out`` with ``layout``: an operand returned as it is (in-place, or ``x.float()`` of a float x) keeps its
+    class; a result computed here becomes the shard itself (``adopt``)."""
+    for a in operands:
+        if out is a:
+            return out if isinstance(a, SpatialTensor) else wrap(out, layout)
+    if type(out) is torch.Tensor:  # the common case, without a pytree walk
+        return adopt(out, layout)
+    return tree_map(lambda o: wrap(o, layout) if isinstance(o, torch.Tensor) else o, out)
 
 
 def where(*args, **kwargs):
