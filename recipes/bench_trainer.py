@@ -41,6 +41,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fusion-mb", type=float, default=None, help="horovod: tensor fusion buffer (MiB)")
     p.add_argument("--cycle-ms", type=float, default=None, help="horovod: cycle time (ms)")
     p.add_argument("--groups", type=int, default=None, help="horovod: grouped all-reduce in this many groups")
+    p.add_argument("--bucket-mb", type=float, default=None, help="horovod: gradients in buckets of this size (MiB)")
     p.add_argument("--async-completion", action="store_true", help="horovod: GPU ops complete on the stream")
     p.add_argument("--profile", action="store_true", help="rank 0: profile the first timed step")
     p.add_argument("--steps", type=int, default=10)
@@ -132,6 +133,7 @@ def strategy(args):
             fusion_threshold_bytes=fusion,
             cycle_time_ms=args.cycle_ms,
             groups=args.groups,
+            bucket_mb=args.bucket_mb,
             async_completion=args.async_completion,
         )
     return {"single": "auto", "ddp": "ddp"}[args.strategy]

@@ -4,8 +4,8 @@
 # then time Horovod against DDP on the same 2 GPUs, same model and per-GPU batch.
 #   bash recipes/horovod_gpu.sh            # rows appended to $OUT/bench_trainer.jsonl, logs in $OUT/runs.log
 #   bash recipes/horovod_gpu.sh build      # only the build (a warm machine keeps it for the next call)
-#   bash recipes/horovod_gpu.sh bf16       # bf16 only: DDP; Horovod as is, with a 5 ms cycle (fewer, larger fused
-#                                          # all-reduces), and with the 5 ms cycle and async completion
+#   bash recipes/horovod_gpu.sh bf16       # bf16 only: DDP; Horovod as is, and with gradients in 25 MiB buckets
+#                                          # (one grouped all-reduce each, as DDP's), also with async completion
 #   REPEATS=3 STEPS=20 bash recipes/horovod_gpu.sh bf16   # interleaved repeats: one run's median varies ~10%
 #   TESTS=0 ONLY=petr REPEATS=3 STEPS=20 bash recipes/horovod_gpu.sh bf16   # one model (petr or convnext_large)
 #   PROFILE=1 ...                          # also rank 0's profile of its first timed step, per run (profile_*.txt)
@@ -41,16 +41,16 @@ compare() {  # precision, then the Horovod variants: each a quoted list of bench
 [ "${1:-all}" = build ] && exit 0
 [ "${TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/horovod -k "gpu" -rs 2>&1 | tail -15
 case "${1:-all}" in
-  # session 11's profile: a 1 ms cycle sends PETR's gradients in ~100 small pieces (DDP: 19 buckets); a variant
-  # word KEY=VALUE (OMP_NUM_THREADS=1, say) goes into Horovod's environment
-  bf16) compare bf16-mixed "" "--cycle-ms 5" "--cycle-ms 5 --async-completion" ;;
+  # session 11's profile: a 1 ms cycle sends PETR's gradients in ~100 small pieces (DDP: 19 buckets); session 12:
+  # a 5 ms cycle was slower still. A variant word KEY=VALUE (OMP_NUM_THREADS=1, say) goes into Horovod's environment
+  bf16) compare bf16-mixed "" "--bucket-mb 25" "--bucket-mb 25 --async-completion" ;;
   *) compare 32-true ""; compare bf16-mixed "" ;;
 esac
 python3 - "$OUT/bench_trainer.jsonl" <<'PY'
 import collections, json, statistics, sys
 runs = collections.defaultdict(list)  # the median over repeated runs, and its ratio to DDP's on the same model
 for r in map(json.loads, open(sys.argv[1])):
-    knobs = "".join(f" {k}={r[k]}" for k in ("async_completion", "cycle_ms", "compression") if r.get(k) not in (None, False, "none"))
+    knobs = "".join(f" {k}={r[k]}" for k in ("async_completion", "cycle_ms", "bucket_mb", "compression") if r.get(k) not in (None, False, "none"))
     knobs += f" threads={r['threads']}" if r.get("threads", 1) != 1 else ""
     runs[r["model"], r["precision"], r["strategy"] + knobs].append(r["step_ms"])
 for (model, precision, name), times in runs.items():

@@ -6,7 +6,8 @@
 Lightning 1.x's behaviour, made explicit: parameters and optimizer state are broadcast from rank 0;
 optimizers are wrapped in ``hvd.DistributedOptimizer`` with ``backward_passes_per_step`` equal to
 ``accumulate_grad_batches`` and synchronised after the last backward of each accumulation window;
-``reduce``/``all_gather``/``broadcast``/``barrier`` go through Horovod; rank 0 writes checkpoints. The
+``reduce``/``all_gather``/``broadcast``/``barrier`` go through Horovod; rank 0 writes checkpoints. With
+``bucket_mb``, gradients travel as DDP's do instead: in buckets, one grouped all-reduce each (``GradientBuckets``). The
 learning rate is scaled by the world size only when asked (``scale_lr_by_world_size=True``, logged).
 Install Horovod with ``python -m lightning_spatial.install_horovod``.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 from contextlib import ExitStack
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -54,6 +56,10 @@ class HorovodStrategy(ParallelStrategy):
         cycle_time_ms: Horovod's cycle time (``HOROVOD_CYCLE_TIME``).
         groups: reduce the gradients in this many explicit groups (Horovod's grouped all-reduce: one
             negotiation per group instead of per tensor, each group sent once all its gradients are ready).
+        bucket_mb: reduce the gradients in buckets of about this many MiB, filled in backward order, each sent
+            as one grouped all-reduce as soon as its last gradient is accumulated (DDP's ``bucket_cap_mb``; 25
+            is DDP's default) instead of through ``hvd.DistributedOptimizer``, whose Python hook per parameter
+            and per-cycle fusion of whatever is ready cost a host-bound step time (docs/benchmarks.md).
         timeline: write a Horovod timeline (``HOROVOD_TIMELINE``) to this path.
         async_completion: on GPUs, a finished all-reduce is ordered on the CUDA stream instead of waited for
             by the host (``HOROVOD_ENABLE_ASYNC_COMPLETION``): the host keeps queueing kernels, as DDP does.
@@ -72,6 +78,7 @@ class HorovodStrategy(ParallelStrategy):
         fusion_threshold_bytes: int | None = None,
         cycle_time_ms: float | None = None,
         groups: int | None = None,
+        bucket_mb: float | None = None,
         timeline: str | None = None,
         async_completion: bool = False,
     ) -> None:
@@ -79,6 +86,10 @@ class HorovodStrategy(ParallelStrategy):
             raise ValueError(f"compression must be 'none' or 'fp16', got {compression!r}")
         if groups is not None and groups < 1:
             raise ValueError(f"groups must be a positive number of gradient groups or None, got {groups!r}")
+        if bucket_mb is not None and not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be a positive bucket size in MiB or None, got {bucket_mb!r}")
+        if bucket_mb is not None and groups is not None:
+            raise ValueError("groups and bucket_mb are two ways to group gradients: set one of them")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -89,6 +100,8 @@ class HorovodStrategy(ParallelStrategy):
         self.scale_lr_by_world_size = scale_lr_by_world_size
         self.compression = compression
         self.groups = groups
+        self.bucket_mb = bucket_mb
+        self._buckets: GradientBuckets | None = None
         self._env = {
             "HOROVOD_FUSION_THRESHOLD": fusion_threshold_bytes,
             "HOROVOD_CYCLE_TIME": cycle_time_ms,
@@ -192,6 +205,11 @@ class HorovodStrategy(ParallelStrategy):
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         self._accumulate = trainer.accumulate_grad_batches
         compression = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
+        if self.bucket_mb is not None:
+            trained = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+            params = [p for p in self.lightning_module.parameters() if id(p) in trained and p.requires_grad]
+            self._buckets = GradientBuckets(hvd, params, int(self.bucket_mb * 2**20), compression)
+            return
         params = dict(self.lightning_module.named_parameters())
         self.optimizers = [
             hvd.DistributedOptimizer(
@@ -208,12 +226,25 @@ class HorovodStrategy(ParallelStrategy):
         for optimizer in self.optimizers:  # we synchronise explicitly after the window's last backward
             self._exit_stack.enter_context(optimizer.skip_synchronize())
 
+    def _last_backward_of_window(self) -> bool:
+        trainer = self.lightning_module.trainer
+        return trainer.training and not trainer.fit_loop.epoch_loop._should_accumulate()
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self._buckets is not None:
+            self._buckets.armed = self._last_backward_of_window()
+
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        trainer = self.lightning_module.trainer
-        if trainer.training and not trainer.fit_loop.epoch_loop._should_accumulate():
-            for optimizer in self.optimizers:
-                optimizer.synchronize()
+        if not self._last_backward_of_window():
+            return
+        if self._buckets is not None:
+            self._buckets.synchronize()
+            return
+        for optimizer in self.optimizers:
+            optimizer.synchronize()
 
     @override
     def model_to_device(self) -> None:
@@ -257,6 +288,9 @@ class HorovodStrategy(ParallelStrategy):
         if self._exit_stack is not None:
             self._exit_stack.__exit__(None, None, None)
             self._exit_stack = None
+        if self._buckets is not None:
+            self._buckets.remove()
+            self._buckets = None
         if self._hvd is not None and self._hvd.is_initialized():
             self._hvd.join()
 
@@ -264,6 +298,73 @@ class HorovodStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Data parallel training on Horovod")
+
+
+class GradientBuckets:
+    """DDP's gradient buckets on Horovod: parameters in reverse order (backward's, roughly) fill buckets of
+    ``cap_bytes`` (one dtype each); a light hook per parameter counts accumulated gradients, and a bucket's
+    last one sends the bucket as one grouped all-reduce (average over ranks) while backward goes on.
+
+    Hooks count only while ``armed`` (the last backward of an accumulation window). ``synchronize`` sends
+    the buckets whose gradients did not all arrive, a parameter without a gradient contributing zeros (as
+    ``hvd.DistributedOptimizer`` does: ranks must send the same tensors), then waits for every bucket."""
+
+    def __init__(self, hvd, params: list[torch.Tensor], cap_bytes: int, compression) -> None:
+        self.hvd, self.compression, self.armed = hvd, compression, False
+        self.buckets: list[list[torch.Tensor]] = []
+        size = 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            last = self.buckets[-1] if self.buckets else None
+            if last is None or size + nbytes > cap_bytes or p.dtype != last[0].dtype or p.device != last[0].device:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self._left = [len(b) for b in self.buckets]
+        self._sent: dict[int, tuple] = {}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(partial(self._accumulated, i))
+            for i, bucket in enumerate(self.buckets)
+            for p in bucket
+        ]
+
+    def _accumulated(self, index: int, _param: torch.Tensor) -> None:
+        if self.armed:
+            self._left[index] -= 1
+            if self._left[index] == 0:
+                self._send(index)
+
+    def _send(self, index: int) -> None:
+        grads = []
+        for p in self.buckets[index]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        name = f"lightning_spatial.bucket.{index}"
+        if self.compression is self.hvd.Compression.none:  # in place: no copy of the gradients
+            self._sent[index] = (self.hvd.grouped_allreduce_async_(grads, op=self.hvd.Average, name=name), None, None)
+            return
+        packed, contexts = zip(*(self.compression.compress(g) for g in grads))
+        handle = self.hvd.grouped_allreduce_async(list(packed), op=self.hvd.Average, name=name)
+        self._sent[index] = (handle, grads, contexts)
+
+    def synchronize(self) -> None:
+        for index in range(len(self.buckets)):
+            if index not in self._sent:
+                self._send(index)
+        for handle, grads, contexts in self._sent.values():
+            reduced = self.hvd.synchronize(handle)
+            if grads is not None:
+                for grad, out, context in zip(grads, reduced, contexts):
+                    grad.copy_(self.compression.decompress(out, context))
+        self._sent.clear()
+        self._left = [len(b) for b in self.buckets]
+        self.armed = False
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 __all__ = ["HorovodStrategy", "import_horovod"]

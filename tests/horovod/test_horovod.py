@@ -123,6 +123,17 @@ def test_grouped_allreduce_reaches_the_single_device_weights(tmp_path):
 
 @pytest.mark.slow
 @needs_horovod
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_gradient_buckets_reach_the_single_device_weights(tmp_path, accumulate):
+    """bucket_mb: gradients in 0.05 MiB buckets (convnext_atto's 14 MiB make dozens), each a grouped all-reduce
+    sent from backward; with accumulation only the window's last backward sends (train_script checks both)."""
+    samples = 4 * accumulate  # as the tests above: one step (window) per epoch
+    ours = as_model(train(tmp_path, "--samples", str(samples), "--bucket-mb", "0.05", "--accumulate", str(accumulate)))
+    assert_same_weights(ours, single_device(samples, 4, accumulate=accumulate))
+
+
+@pytest.mark.slow
+@needs_horovod
 def test_horovod_trains_petr_to_the_single_device_weights(tmp_path):
     """Two Horovod ranks with 1 sample each reach the weights of one device with both samples (float64): the
     box count normalising the losses is averaged over the replicas, as DETR does."""
@@ -142,7 +153,9 @@ needs_two_gpus = pytest.mark.skipif(
 
 @needs_horovod
 @needs_two_gpus
-@pytest.mark.parametrize("options", [(), ("--async-completion",)], ids=["default", "async_completion"])
+@pytest.mark.parametrize(
+    "options", [(), ("--async-completion",), ("--bucket-mb", "0.05")], ids=["default", "async_completion", "buckets"]
+)
 def test_horovod_on_two_gpus_matches_one_gpu(tmp_path, options):
     """NCCL: the same weights as one GPU on the same global batch (fp32, TF32 off on both sides), also when
     all-reduces complete on the CUDA stream instead of on the host (async_completion)."""
@@ -200,6 +213,10 @@ def test_strategy_options_are_validated():
         HorovodStrategy(compression="int8")
     with pytest.raises(ValueError, match="groups must be a positive number"):
         HorovodStrategy(groups=0)
+    with pytest.raises(ValueError, match="bucket_mb must be a positive bucket size"):
+        HorovodStrategy(bucket_mb=0)
+    with pytest.raises(ValueError, match="groups and bucket_mb .* set one of them"):
+        HorovodStrategy(groups=2, bucket_mb=25)
 
 
 @pytest.mark.slow

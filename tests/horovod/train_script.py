@@ -15,6 +15,19 @@ import lightning_spatial  # noqa: E402
 from tests.strategy.lit import Images, LitModel, loader  # noqa: E402
 
 
+class BucketsSentDuringBackward(L.Callback):
+    """With ``bucket_mb``: every bucket left in backward, sent by its hooks (none on accumulating backwards)."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_after_backward(self, trainer, pl_module) -> None:  # before the strategy's post_backward waits
+        buckets = trainer.strategy._buckets
+        assert buckets is not None and len(buckets.buckets) > 1, "the gradients did not go through buckets"
+        assert len(buckets._sent) == (len(buckets.buckets) if buckets.armed else 0), (len(buckets._sent), buckets.armed)
+        self.checked += buckets.armed
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -26,6 +39,7 @@ def main() -> None:
     p.add_argument("--compression", default="none")
     p.add_argument("--fusion-threshold", type=int, default=None)
     p.add_argument("--groups", type=int, default=None)
+    p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--async-completion", action="store_true")
     p.add_argument("--trace", default=None, help="Horovod timeline path (horovodrun claims --timeline)")
     args = p.parse_args()
@@ -36,10 +50,13 @@ def main() -> None:
         compression=args.compression,
         fusion_threshold_bytes=args.fusion_threshold,
         groups=args.groups,
+        bucket_mb=args.bucket_mb,
         timeline=args.trace,
         async_completion=args.async_completion,
     )
+    check = BucketsSentDuringBackward()
     trainer = L.Trainer(
+        callbacks=[check] if args.bucket_mb is not None else [],
         accelerator=args.accelerator,
         devices=1,
         strategy=strategy,
@@ -61,6 +78,10 @@ def main() -> None:
         assert os.environ["HOROVOD_ENABLE_ASYNC_COMPLETION"] == "1"
     if args.groups is not None:  # the option reached Horovod's optimizer (its grouped path ran)
         assert all(opt._groups == args.groups for opt in trainer.strategy.optimizers), "groups did not reach Horovod"
+    if args.bucket_mb is not None:  # the buckets reduced the gradients, not Horovod's optimizer
+        assert check.checked == trainer.global_step, (check.checked, trainer.global_step)
+        assert trainer.strategy._buckets is None, "the buckets' hooks outlived fit"  # teardown removed them
+        assert not any(type(opt).__module__.startswith("horovod") for opt in trainer.strategy.optimizers)
     # every rank must hold the same weights, and report the same synchronised metrics
     gathered = trainer.strategy.all_gather(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(gathered[0], gathered[1]), "weights differ between Horovod ranks"
