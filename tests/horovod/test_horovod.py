@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,15 @@ def test_gradient_buckets_reach_the_single_device_weights(tmp_path, accumulate):
 
 @pytest.mark.slow
 @needs_horovod
+def test_gradient_buckets_compress_to_fp16(tmp_path):
+    """Buckets with fp16 compression: each bucket's gradients travel as fp16 and come back into the fp32
+    gradients, so training agrees with one device to fp16's precision (held as the GPU options test holds it)."""
+    ours = as_model(train(tmp_path, "--bucket-mb", "0.05", "--compression", "fp16"))
+    assert_same_weights(ours, single_device(4, 4), tolerance=1e-2, zero_floor=1e-4)
+
+
+@pytest.mark.slow
+@needs_horovod
 def test_horovod_trains_petr_to_the_single_device_weights(tmp_path):
     """Two Horovod ranks with 1 sample each reach the weights of one device with both samples (float64): the
     box count normalising the losses is averaged over the replicas, as DETR does."""
@@ -237,3 +247,13 @@ def test_horovod_recipe(tmp_path):
     done = horovodrun(SCRIPT.parents[2] / "recipes" / "train.py", *overrides, cwd=tmp_path)
     assert done.stdout.count("final metrics:") == 2
     assert (tmp_path / "timeline.json").stat().st_size > 0  # the timeline option reached Horovod
+
+
+@needs_horovod
+def test_host_time_recipe(tmp_path):
+    """CPU smoke of recipes/horovod_host.py (no timing asserted): all three ways report, the buckets several."""
+    recipe = Path(__file__).parents[2] / "recipes" / "horovod_host.py"
+    done = horovodrun(recipe, "--steps", "2", "--parameters", "40", "--bucket-mb", "0.004", cwd=tmp_path)
+    for name in ("no hooks", "hvd.DistributedOptimizer", "bucket_mb"):
+        assert re.search(rf"{re.escape(name)} +\d+\.\d+ ms", done.stdout), done.stdout
+    assert re.search(r"40 parameters, (\d{2,}|[2-9]) buckets", done.stdout), done.stdout

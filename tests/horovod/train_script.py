@@ -25,6 +25,8 @@ class BucketsSentDuringBackward(L.Callback):
         buckets = trainer.strategy._buckets
         assert buckets is not None and len(buckets.buckets) > 1, "the gradients did not go through buckets"
         assert len(buckets._sent) == (len(buckets.buckets) if buckets.armed else 0), (len(buckets._sent), buckets.armed)
+        compressed = trainer.strategy.compression == "fp16"  # sent as fp16 copies, copied back when they arrive
+        assert all((grads is not None) == compressed for _, grads, _ in buckets._sent.values()), "compression"
         self.checked += buckets.armed
 
 
