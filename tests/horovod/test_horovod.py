@@ -133,6 +133,14 @@ def test_gradient_buckets_reach_the_single_device_weights(tmp_path, accumulate):
     assert_same_weights(ours, single_device(samples, 4, accumulate=accumulate))
 
 
+@needs_horovod
+def test_gradient_buckets_send_unused_parameters_as_zeros(tmp_path):
+    """A bucket with a parameter some rank did not use is sent by ``synchronize``, the missing gradient as
+    zeros (as ``hvd.DistributedOptimizer`` does), and every gradient equals ``hvd.allreduce``'s average."""
+    done = horovodrun(SCRIPT.with_name("buckets_script.py"), cwd=tmp_path)
+    assert done.stdout.count("buckets ok") == 2, done.stdout
+
+
 @pytest.mark.slow
 @needs_horovod
 def test_gradient_buckets_compress_to_fp16(tmp_path):
