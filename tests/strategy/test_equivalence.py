@@ -68,6 +68,12 @@ CASES = [  # (model, spatial_size, shard_dim, devices, sync_batchnorm, height, w
 ]
 
 
+# A BatchNorm bias with an exactly zero true gradient (regnety_002's s4.b7.conv1.bn.bias) ends 3 fp32 steps at
+# rounding noise (1.7e-7 on one device); relative to itself that noise is not comparable (2e-2 on one CI machine's
+# kernels, 1e-4 on others), so such tensors are held to stay below this floor instead.
+FP32_ZERO_FLOOR = 1e-6
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,spatial,shard_dim,devices,sync_bn,height,width", CASES)
 def test_spatial_training_matches_single_device(name, spatial, shard_dim, devices, sync_bn, height, width):
@@ -77,7 +83,7 @@ def test_spatial_training_matches_single_device(name, spatial, shard_dim, device
     ours = LitModel(name)
     strategy = SpatialParallelStrategy(spatial, shard_dim, start_method="fork")
     fit(ours, strategy, devices, data, 4 // data_size, sync_batchnorm=sync_bn)
-    assert_same_weights(ours, reference)
+    assert_same_weights(ours, reference, zero_floor=FP32_ZERO_FLOOR)
 
 
 class SameWeightsInTheRanks(L.Callback):
