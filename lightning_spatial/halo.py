@@ -124,8 +124,14 @@ def empty_as(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
 
 
 @lru_cache(maxsize=4096)
+def _memory_order(strides: tuple[int, ...]) -> tuple[int, ...]:
+    """Dims from outermost to innermost in memory; ties (a size-1 dim) keep their index order."""
+    return tuple(sorted(range(len(strides)), key=lambda d: strides[d], reverse=True))
+
+
+@lru_cache(maxsize=4096)
 def _strides_like(strides: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
-    order = sorted(range(len(shape)), key=lambda d: strides[d], reverse=True)  # outermost dim first
+    order = _memory_order(strides)
     out, step = [0] * len(shape), 1
     for d in reversed(order):
         out[d], step = step, step * shape[d]
@@ -146,6 +152,23 @@ def _count_sent(sends: list[tuple[int, torch.Tensor]]) -> None:
     HaloStats.sent_bytes += sum(t.numel() * t.element_size() for _, t in sends)
 
 
+def _laid_out_like(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``like``'s memory layout: itself if it has it, else a copy. Messages travel contiguous (what
+    every backend takes, and what sender and receiver agree on whatever their shards' strides); a channels_last
+    window is joined from channels_last pieces: with NCHW halos among them, the ``cat`` ran 5-20x slower
+    (H200, bf16: 844 against 35 us for ConvNeXt-XL's first stage at S = 8)."""
+    if t.stride() == _strides_like(like.stride(), tuple(t.shape)):
+        return t
+    return empty_as(like, list(t.shape)).copy_(t)
+
+
+def _cat(parts: list[torch.Tensor], dim: int, out: torch.Tensor) -> None:
+    """``torch.cat(parts, dim, out=out)`` on views whose dims are in memory order (``out`` dense, every part laid
+    out like it): the copy runs as over contiguous tensors."""
+    order = _memory_order(out.stride())
+    torch.cat([p.permute(order) for p in parts], order.index(dim % out.dim()), out=out.permute(order))
+
+
 def _window(x: torch.Tensor, plan: _Plan, dim: int, axis, fill: float) -> torch.Tensor:
     sends = [(j, _select(x, dim, rows).contiguous()) for j, rows in plan.sends]
     recvs = [(j, x.new_empty(_shape(x, dim, count))) for j, _, count in plan.recvs]
@@ -153,8 +176,9 @@ def _window(x: torch.Tensor, plan: _Plan, dim: int, axis, fill: float) -> torch.
     _p2p(axis, sends, recvs)
     out = empty_as(x, _shape(x, dim, plan.length))
     if plan.pieces is not None:  # one copy kernel for the whole window
-        parts = [_select(x, dim, p) if isinstance(p, range) else recvs[p][1] for p in plan.pieces]
-        return torch.cat(parts, dim, out=out)
+        parts = [_select(x, dim, p) if isinstance(p, range) else _laid_out_like(out, recvs[p][1]) for p in plan.pieces]
+        _cat(parts, dim, out)
+        return out
     if isinstance(plan.fill, range):  # only the padding positions get the fill value
         _select(out, dim, plan.fill).fill_(fill)
     elif plan.fill is not None:

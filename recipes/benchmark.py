@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_spatial import Axis, SpatialDims, halo
+from lightning_spatial.graphs import CUDAGraphed
 from lightning_spatial.halo import HaloStats
 from lightning_spatial.layout import DimShard, Layout, partition
 from lightning_spatial.strategies.spatial import gradients_laid_out_like_parameters
@@ -76,6 +77,13 @@ def parse() -> argparse.Namespace:
         "(the last step's live through the forward), or after the optimizer step",
     )
     p.add_argument(
+        "--graphs",
+        default="none",
+        choices=["none", "ours", "both"],
+        help="replay the model's forward and backward as CUDA graphs (lightning_spatial.graphs.CUDAGraphed): in "
+        "our spatial step, or in it and the shard-only baseline",
+    )
+    p.add_argument(
         "--fake-p2p",
         default="noop",
         choices=["noop", "backend"],
@@ -104,8 +112,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(step, device, steps: int, warmup: int) -> tuple[float, float]:
-    """(median step ms, peak GiB during the timed steps)."""
+def measure(step, device, steps: int, warmup: int) -> tuple[float, float, float]:
+    """(median step ms, peak GiB allocated and reserved during the timed steps). A CUDA graph's activations live
+    in its own pool, reserved at capture: a replay allocates nothing, so for graphs the reserved peak counts."""
     for _ in range(warmup):
         step()
     sync(device)
@@ -118,8 +127,10 @@ def measure(step, device, steps: int, warmup: int) -> tuple[float, float]:
         step()
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
-    return statistics.median(times), peak
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else float("nan")
+    reserved = torch.cuda.max_memory_reserved(device) / GIB if cuda else float("nan")
+    return statistics.median(times), peak, reserved
 
 
 def train_step(task, model, optimizer, make_input, precision: str, device: torch.device, zero_grad: str):
@@ -140,9 +151,11 @@ def train_step(task, model, optimizer, make_input, precision: str, device: torch
     return step
 
 
-def build(task, device, ckpt: bool):
+def build(task, device, ckpt: bool, graphed: bool = False):
     torch.manual_seed(0)
     model = task.build(device, ckpt)
+    if graphed:
+        model = CUDAGraphed(model, warmup=1)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -176,6 +189,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         "backend": dist.get_backend() if real else "fake",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "zero_grad": args.zero_grad,
+        "graphs": args.graphs,
     }
     gen = torch.Generator(device=device).manual_seed(rank)
     baseline = args.baseline != "0" and (not real or rank == 0)
@@ -185,16 +199,18 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
             wrap(torch.randn(shape, device=device, generator=gen), layout_obj), args.height, width
         )
 
-    def alone() -> tuple[float, float]:
-        model, opt = build(task, device, ckpt)
+    def alone() -> tuple[float, float, float]:
+        model, opt = build(task, device, ckpt, graphed=args.graphs == "both")
         step = train_step(task, model, opt, make_input(alone_shape), precision, device, args.zero_grad)
         result = measure(step, device, args.steps, args.warmup)
+        if args.profile and "shard_profile" not in row:
+            row["shard_profile"] = profile(step, device, show=False)
         del model, opt, step
         free(device)
         return result
 
     if baseline:
-        row["shard_ms"], row["shard_gib"] = alone()
+        row["shard_ms"], row["shard_gib"], row["shard_reserved_gib"] = alone()
     if args.baseline == "only":
         return row
 
@@ -211,7 +227,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     if sw > 1:
         shards.append(DimShard(-1, Axis.from_group(mesh.get_group("spatial_w")), width))
     layout_obj = Layout(tuple(shards)) if shards else None
-    model, opt = build(task, device, ckpt)
+    model, opt = build(task, device, ckpt, graphed=args.graphs != "none")
     gradients_laid_out_like_parameters(model)  # as spatial_tp does: no stride warning or gradient copy in DDP
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
@@ -220,7 +236,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         ddp.register_comm_hook(None, _completed)
     row["grad_allreduce_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     step = train_step(task, ddp, opt, make_input(local, layout_obj), precision, device, args.zero_grad)
-    row["ours_ms"], row["ours_gib"] = measure(step, device, args.steps, args.warmup)
+    row["ours_ms"], row["ours_gib"], row["ours_reserved_gib"] = measure(step, device, args.steps, args.warmup)
     if real:  # the rank that needs most memory is the one that matters
         row["ours_gib_ranks"] = every_rank(row["ours_gib"])
         row["ours_gib"] = max(row["ours_gib_ranks"])
@@ -229,11 +245,14 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     row["halo_mib_per_step"] = HaloStats.sent_bytes / 2**20
     if args.profile:
         summary = profile(step, device, show=not real or rank == 0)
+        ops = summary.pop("op_device_ms", None)
         row["profile"] = every_rank(summary) if real else [summary]
+        if ops is not None and "shard_profile" in row:
+            row["extra_device_ms"] = extra_device_time(ops, row["shard_profile"].pop("op_device_ms"))
     del ddp, model, opt, step
     free(device)
     if baseline:  # time the baseline again after ours: the ratio uses the faster of its two runs
-        row["shard_ms_after"], _ = alone()
+        row["shard_ms_after"], *_ = alone()
         row["time_ratio"] = row["ours_ms"] / min(row["shard_ms"], row["shard_ms_after"])
         row["mem_ratio"] = row["ours_gib"] / row["shard_gib"] if device.type == "cuda" else float("nan")
     if not real:
@@ -298,12 +317,27 @@ def profile(step, device, show: bool) -> dict[str, float]:
         out[f"{kind}_exposed"] = busy - _covered([s for k, v in spans.items() if k != kind for s in v])
     if not cuda:
         out["compute"] = out["compute_exposed"] = wall - busy
+    else:  # device time by the op that launched it (self time: an op's own kernels)
+        out["op_device_ms"] = {
+            e.key: e.self_device_time_total / 1e3 for e in prof.key_averages() if e.self_device_time_total > 0
+        }
     if show:
         events = prof.key_averages()
         for key in ["self_cuda_time_total"] * cuda + ["self_cpu_time_total"]:
             print(events.table(sort_by=key, row_limit=12))
-        print(json.dumps({"profile_ms": out}), flush=True)
+        print(json.dumps({"profile_ms": {k: v for k, v in out.items() if k != "op_device_ms"}}), flush=True)
     return out
+
+
+def extra_device_time(ours: dict[str, float], shard: dict[str, float], top: int = 15) -> list[tuple[str, float, float]]:
+    """The ops whose own device time in our step most exceeds the shard-only step's: (name, ours ms, shard ms)."""
+    rows = [(name, ours.get(name, 0.0), shard.get(name, 0.0)) for name in ours.keys() | shard.keys()]
+    rows.sort(key=lambda r: r[2] - r[1])
+    print(f"{'op (self device time)':90} {'ours ms':>9} {'shard ms':>9}")
+    for name, a, b in rows[:top]:
+        print(f"{name[:90]:90} {a:9.2f} {b:9.2f}")
+    print(f"{'all ops':90} {sum(ours.values()):9.2f} {sum(shard.values()):9.2f}", flush=True)
+    return rows[:top]
 
 
 def _kind(name: str, cuda: bool) -> str | None:

@@ -39,11 +39,11 @@ CONV2D = [
 ]
 
 
-def _conv2d_case(layout, kernel, stride, padding, dilation, groups, width):
+def _conv2d_case(layout, kernel, stride, padding, dilation, groups, width, memory_format=torch.contiguous_format):
     torch.manual_seed(7)
     c = 4
     k = kernel if isinstance(kernel, tuple) else (kernel, kernel)
-    x = torch.randn(2, c, 13, width)
+    x = torch.randn(2, c, 13, width).contiguous(memory_format=memory_format)
     w = torch.randn(8, c // groups, *k)
     b = torch.randn(8)
     op = functools.partial(_conv2d, stride=stride, padding=padding, dilation=dilation, groups=groups)
@@ -59,6 +59,16 @@ def _conv2d(x, w, b, **kw):
 def test_conv2d(layout, kernel, stride, padding, dilation, groups):
     width = 97 if layout == "w3" else 24
     run_spmd(_conv2d_case, LAYOUTS[layout][0], layout, kernel, stride, padding, dilation, groups, width)
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("kernel,stride,padding,dilation,groups", [CONV2D[0], CONV2D[1], CONV2D[3]])
+def test_conv2d_channels_last(layout, kernel, stride, padding, dilation, groups):
+    """Activations in channels_last (ConvNeXt's, after its NHWC blocks): halos travel contiguous and are laid out
+    like the window before it is joined."""
+    width = 97 if layout == "w3" else 24
+    args = (layout, kernel, stride, padding, dilation, groups, width, torch.channels_last)
+    run_spmd(_conv2d_case, LAYOUTS[layout][0], *args)
 
 
 def _thin_case(layout, size):

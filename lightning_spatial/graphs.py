@@ -1,0 +1,204 @@
+"""CUDA graphs of a module's forward and backward on shards: the op layer's host time out of the step.
+
+In bf16 one rank's GPU work per op is short enough that our per-op Python (``__torch_function__``, halo
+bookkeeping) sets the step time at S >= 4 (docs/benchmarks.md), and ``torch.compile`` cannot trace a shard
+(docs/design.md). A CUDA graph records the kernels of one forward and one backward, halo messages included, and
+replays them with no Python at all: what ``torch.compile(mode="reduce-overhead")`` does for plain modules, and
+what ``torch.cuda.make_graphed_callables`` does, but for calls whose inputs and outputs are shards.
+
+``CUDAGraphed(module)`` runs the module eagerly for its first ``warmup`` training calls of a given input
+signature (caches, cuDNN's algorithm search and NCCL's communicators are set up there), captures the next, and
+replays from then on. It runs eagerly, and says nothing, off CUDA, without autograd (validation), inside
+another capture, and while the parameters are not where the capture saw them. What a graph cannot see is
+frozen at capture: the forward must be a function of its tensor inputs, parameters and buffers (Python-side
+randomness or step counters are not replayed; torch's CUDA random numbers are). Outputs live in the graph's
+memory and are overwritten by the next replay, as with ``make_graphed_callables``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .tensor import SpatialTensor, wrap
+
+
+def _is(a: Any) -> bool:
+    return isinstance(a, torch.Tensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, SpatialTensor) else t
+
+
+def _layout(t: Any):
+    return t.shard_layout if isinstance(t, SpatialTensor) else None
+
+
+class _Graphs:
+    """One capture: the forward and backward graphs, their static inputs, outputs and gradients."""
+
+    def __init__(self, module: nn.Module, flat: list, spec) -> None:
+        self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        self.pointers = tuple(p.data_ptr() for p in self.params)
+        self.is_tensor = [_is(a) for a in flat]
+        # the call's tensors in fixed memory (plain leaves: autograd.grad must not see a shard), and their layouts
+        self.static_in = [_local(a).detach().clone().requires_grad_(a.requires_grad) for a in flat if _is(a)]
+        layouts = [_layout(a) for a in flat if _is(a)]
+        needs = [a for a in self.static_in if a.requires_grad]
+        self.input_needs_grad = [t and a.requires_grad for a, t in zip(flat, self.is_tensor)]
+        # The capture reads detached aliases of the parameters (same memory, so a replay sees the optimizer's
+        # updates) as its leaves: the parameters' own AccumulateGrad nodes, which DDP keeps alive, were made on the
+        # default stream, and a backward reaching them from the capture's stream would invalidate the capture.
+        names = [n for n, p in module.named_parameters() if p.requires_grad]
+        leaves = [p.detach().requires_grad_(True) for p in self.params]
+        pool = torch.cuda.graph_pool_handle()
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
+        with _uncached_autocast(), torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
+            # shards and their local views made here: the alias nodes between them must run on the capture's
+            # stream in the backward
+            shards = iter([wrap(t, layout) for t, layout in zip(self.static_in, layouts)])
+            static = [next(shards) if _is(a) else a for a in flat]
+            out = functional_call(module, dict(zip(names, leaves)), tuple(tree_unflatten(static, spec)))
+            flat_out, self.out_spec = tree_flatten(out)
+            outs = [o for o in flat_out if _is(o)]
+            local_outs = [_local(o) for o in outs]
+        self.out_is_tensor = [_is(o) for o in flat_out]
+        self.constants = [None if t else o for o, t in zip(flat_out, self.out_is_tensor)]
+        self.out_layouts = [_layout(o) for o in outs]
+        self.static_out = [o.detach() for o in local_outs]
+        self.out_needs_grad = [o.requires_grad for o in outs]
+        differentiable = [o for o in local_outs if o.requires_grad]
+        self.static_grad_out = [torch.empty_like(o) for o in differentiable]
+        wrt = needs + leaves
+        with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
+            grads = torch.autograd.grad(differentiable, wrt, self.static_grad_out, allow_unused=True)
+        self.static_grads = list(grads)
+        del out, flat_out, outs, local_outs, differentiable, grads, leaves, static, shards
+
+    def fits(self) -> bool:
+        """The parameters still live where the graphs read them (``.to()`` or a reload that reallocates moves
+        them; the optimizer's in-place steps do not)."""
+        return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self.pointers))
+
+    def __call__(self, flat: list) -> Any:
+        tensors = [a for a, t in zip(flat, self.is_tensor) if t]
+        with torch.no_grad():
+            for static, a in zip(self.static_in, tensors):
+                static.copy_(_local(a))
+        edges = [_local(a) for a, needs in zip(flat, self.input_needs_grad) if needs]
+        outs = iter(_Replay.apply(self, *edges, *self.params))
+        flat_out = [
+            wrap(next(outs), layout) if t else c
+            for t, c, layout in zip(self.out_is_tensor, self.constants, self._layouts_by_position())
+        ]
+        return tree_unflatten(flat_out, self.out_spec)
+
+    def _layouts_by_position(self):
+        layouts = iter(self.out_layouts)
+        return [next(layouts) if t else None for t in self.out_is_tensor]
+
+
+class _Replay(torch.autograd.Function):
+    """The recorded forward as one autograd node; its backward replays the recorded backward. The gradients it
+    returns are the graph's own tensors (still held here), so autograd copies them into ``.grad`` instead of
+    adopting memory that the next replay would overwrite."""
+
+    @staticmethod
+    def forward(ctx, graphs: _Graphs, *edges: torch.Tensor):
+        ctx.graphs = graphs
+        graphs.forward_graph.replay()
+        outs = tuple(o.detach() for o in graphs.static_out)
+        ctx.mark_non_differentiable(*(o for o, needs in zip(outs, graphs.out_needs_grad) if not needs))
+        return outs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor):
+        graphs = ctx.graphs
+        differentiable = (g for g, needs in zip(grads, graphs.out_needs_grad) if needs)
+        for static, g in zip(graphs.static_grad_out, differentiable):
+            if g is None:
+                static.zero_()
+            else:
+                static.copy_(_local(g))
+        graphs.backward_graph.replay()
+        return (None, *graphs.static_grads)
+
+
+class _uncached_autocast:
+    """The caller's autocast state without its cast cache: a capture must record the weights' casts (a cached
+    cast made before the capture would be read from memory nobody refreshes)."""
+
+    def __enter__(self) -> None:
+        self.ctx = (
+            torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+            if torch.is_autocast_enabled("cuda")
+            else None
+        )
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+class CUDAGraphed(nn.Module):
+    """``module`` whose training forward and backward replay CUDA graphs after ``warmup`` eager calls; see the
+    module docstring."""
+
+    def __init__(self, module: nn.Module, warmup: int = 2) -> None:
+        super().__init__()
+        if warmup < 1:
+            raise ValueError(f"CUDAGraphed: warmup={warmup}; at least one eager call must precede the capture")
+        self.module = module
+        self.warmup = warmup
+        self._graphs: dict[tuple, _Graphs] = {}
+        self._eager_calls: dict[tuple, int] = {}
+
+    def forward(self, *args: Any) -> Any:
+        flat, spec = tree_flatten(args)
+        key = self._signature(flat, spec)
+        if key is None:
+            return self.module(*args)
+        graphs = self._graphs.get(key)
+        if graphs is not None and graphs.fits():
+            return graphs(flat)
+        calls = self._eager_calls[key] = self._eager_calls.get(key, 0) + 1
+        if calls <= self.warmup:
+            return self.module(*args)
+        self._graphs[key] = graphs = _Graphs(self.module, flat, spec)
+        return graphs(flat)
+
+    def _signature(self, flat: list, spec) -> tuple | None:
+        """What a capture depends on, or None where it must run eagerly."""
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if not torch.is_grad_enabled() or not tensors or any(not a.is_cuda for a in tensors):
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        key: list = [
+            spec,
+            self.module.training,
+            torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
+        ]
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                local = _local(a)
+                key.append((tuple(local.shape), local.stride(), local.dtype, local.device, a.requires_grad, _layout(a)))
+            else:
+                key.append(a)
+        try:
+            hash(tuple(key))
+        except TypeError:  # an argument a key cannot hold: nothing to tell two calls apart by
+            return None
+        return tuple(key)
+
+
+__all__ = ["CUDAGraphed"]

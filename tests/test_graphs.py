@@ -1,0 +1,168 @@
+"""CUDAGraphed: a replayed forward and backward trains as the eager module does (GPU), and runs eagerly where a
+graph cannot be captured (CPU, no autograd)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+import torch.distributed as dist
+
+from lightning_spatial import Axis, DimShard, Layout, halo
+from lightning_spatial.graphs import CUDAGraphed
+from lightning_spatial.tensor import SpatialTensor, wrap
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def make(name: str = "convnext_atto", device: str = "cuda") -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(name, pretrained=False, num_classes=5).to(device)
+
+
+def train(model, inputs, precision=None, accumulate=1, validate=None):
+    """AdamW steps over ``inputs`` (``accumulate`` backwards per step); the losses, and ``validate``'s no-grad
+    outputs after each step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, checks = [], []
+    for i in range(0, len(inputs), accumulate):
+        for x in inputs[i : i + accumulate]:
+            with torch.autocast("cuda", dtype=precision, enabled=precision is not None):
+                out = model(x)
+                local = out.to_local() if isinstance(out, SpatialTensor) else out
+                loss = (local.float() * torch.linspace(-1, 1, local.shape[-1], device=local.device)).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if validate is not None:
+            with torch.no_grad():
+                checks.append(model(validate).clone())
+    return torch.stack(losses), checks
+
+
+def assert_close_weights(a: torch.nn.Module, b: torch.nn.Module, rtol: float) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    sb = {k.removeprefix("module."): v for k, v in sb.items()}
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sb[k], sa[k], rtol=rtol, atol=rtol * sa[k].abs().max().item() + 1e-12, msg=k)
+
+
+@pytest.fixture
+def deterministic():
+    before = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before
+
+
+@gpu
+@pytest.mark.parametrize("precision", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_replays_train_to_the_eager_weights(deterministic, precision, accumulate):
+    """Six steps of a model with BatchNorm-free blocks (convnext) and one with BatchNorm (resnet: running stats
+    are buffers the forward graph updates) from the same start: replayed equals eager, validation in between
+    (eager, under no_grad) included; accumulating two backwards catches gradients aliasing the graph's memory."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    inputs = [torch.randn(2, 3, 64, 96, device="cuda", generator=g) for _ in range(6)]
+    probe = torch.randn(1, 3, 64, 96, device="cuda", generator=g)
+    for name in ("convnext_atto", "resnet10t"):
+        eager, graphed = make(name), CUDAGraphed(make(name), warmup=1)
+        loss_e, val_e = train(eager, inputs, precision, accumulate, probe)
+        loss_g, val_g = train(graphed, inputs, precision, accumulate, probe)
+        assert len(graphed._graphs) == 1  # it did replay
+        rtol = 1e-5 if precision is None else 1e-2
+        torch.testing.assert_close(loss_g, loss_e, rtol=rtol, atol=0)
+        for a, b in zip(val_g, val_e):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item())
+        assert_close_weights(eager, graphed, rtol)
+
+
+@gpu
+def test_shards_replay_as_their_eager_op_layer(deterministic, monkeypatch):
+    """One rank of a width-2 group (PyTorch's fake process group; received halos read as zeros): the op layer's
+    halo windows, its reductions and the replicated result after global pooling replay as they ran eagerly."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def zeros(axis, sends, recvs):
+        for _, t in recvs:
+            t.zero_()
+
+    monkeypatch.setattr(halo, "_p2p", zeros)
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        layout = Layout((DimShard(-1, Axis.from_group(dist.group.WORLD), 128),))
+        g = torch.Generator(device="cuda").manual_seed(2)
+        inputs = [wrap(torch.randn(2, 3, 64, 64, device="cuda", generator=g), layout) for _ in range(4)]
+        for name in ("convnext_atto", "resnet10t"):
+            eager, graphed = make(name), CUDAGraphed(make(name), warmup=1)
+            loss_e, _ = train(eager, inputs)
+            loss_g, _ = train(graphed, inputs)
+            assert len(graphed._graphs) == 1
+            torch.testing.assert_close(loss_g, loss_e, rtol=1e-5, atol=0)
+            assert_close_weights(eager, graphed, 1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@gpu
+def test_sharded_inputs_and_outputs_keep_their_layout_and_gradients(deterministic, monkeypatch):
+    """A shard in, a shard out, and the input's gradient (a shard too) as the eager op layer gives them."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    monkeypatch.setattr(halo, "_p2p", lambda axis, sends, recvs: [t.zero_() for _, t in recvs])
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        layout = Layout((DimShard(-1, Axis.from_group(dist.group.WORLD), 64),))
+        torch.manual_seed(3)
+        eager = torch.nn.Conv2d(3, 4, 3, padding=1).cuda()
+        graphed = CUDAGraphed(copy.deepcopy(eager), warmup=1)
+        for i in range(3):
+            local = torch.randn(1, 3, 8, 32, device="cuda")
+            weights = torch.randn(1, 4, 8, 32, device="cuda")
+            results = []
+            for module in (eager, graphed):
+                x = wrap(local.clone(), layout).requires_grad_(True)
+                y = module(x)
+                assert isinstance(y, SpatialTensor) and y.shard_layout == layout and y.shape == (1, 4, 8, 64)
+                (y.to_local() * weights).sum().backward()
+                results.append((y.to_local().detach(), x.grad.to_local()))
+            for a, b in zip(*results):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert len(graphed._graphs) == 1
+    finally:
+        dist.destroy_process_group()
+
+
+@gpu
+def test_parameters_moved_elsewhere_are_captured_again(deterministic):
+    """A graph reads the parameters' memory: after a reload that reallocates them, it must not replay stale
+    weights (it runs eagerly again, then captures anew)."""
+    graphed, eager = CUDAGraphed(make(), warmup=1), make()
+    x = torch.randn(1, 3, 64, 64, device="cuda")
+    for _ in range(3):
+        graphed(x).sum().backward()
+    for p in graphed.parameters():
+        p.data = p.data * 0.5
+    for p in eager.parameters():
+        p.data = p.data * 0.5
+    for _ in range(3):
+        torch.testing.assert_close(graphed(x), eager(x), rtol=1e-5, atol=1e-6)
+    assert len(graphed._graphs) == 1
+
+
+def test_off_cuda_and_without_autograd_it_runs_eagerly():
+    model = make(device="cpu")
+    graphed = CUDAGraphed(copy.deepcopy(model), warmup=1)
+    x = torch.randn(1, 3, 32, 32)
+    for _ in range(3):
+        torch.testing.assert_close(graphed(x), model(x), rtol=0, atol=0)
+    assert not graphed._graphs
+
+
+def test_warmup_must_leave_an_eager_call_before_the_capture():
+    with pytest.raises(ValueError, match="warmup=0"):
+        CUDAGraphed(torch.nn.Linear(2, 2), warmup=0)
