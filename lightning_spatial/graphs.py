@@ -6,13 +6,16 @@ bookkeeping) sets the step time at S >= 4 (docs/benchmarks.md), and ``torch.comp
 replays them with no Python at all: what ``torch.compile(mode="reduce-overhead")`` does for plain modules, and
 what ``torch.cuda.make_graphed_callables`` does, but for calls whose inputs and outputs are shards.
 
-``CUDAGraphed(module)`` runs the module eagerly for its first ``warmup`` training calls of a given input
+``CUDAGraphed(module)`` (or ``SpatialParallelStrategy(cuda_graphs=["backbone"])``, which wraps named submodules for
+a run and unwraps them after) runs the module eagerly for its first ``warmup`` training calls of a given input
 signature (caches, cuDNN's algorithm search and NCCL's communicators are set up there), captures the next, and
 replays from then on. It runs eagerly, and says nothing, off CUDA, without autograd (validation), inside
 another capture, and while the parameters are not where the capture saw them. What a graph cannot see is
 frozen at capture: the forward must be a function of its tensor inputs, parameters and buffers (Python-side
 randomness or step counters are not replayed; torch's CUDA random numbers are). Outputs live in the graph's
-memory and are overwritten by the next replay, as with ``make_graphed_callables``.
+memory and are overwritten by the next replay, as with ``make_graphed_callables``. The graphs keep one more copy of
+the gradients and their own memory pool (measured: docs/benchmarks.md). Checkpoints do not see the wrapper: its
+state dict is the module's, under the same names.
 """
 
 from __future__ import annotations
@@ -161,6 +164,8 @@ class CUDAGraphed(nn.Module):
         self.warmup = warmup
         self._graphs: dict[tuple, _Graphs] = {}
         self._eager_calls: dict[tuple, int] = {}
+        self._register_state_dict_hook(_without_wrapper)
+        self.register_load_state_dict_pre_hook(_with_wrapper)
 
     def forward(self, *args: Any) -> Any:
         flat, spec = tree_flatten(args)
@@ -199,6 +204,19 @@ class CUDAGraphed(nn.Module):
         except TypeError:  # an argument a key cannot hold: nothing to tell two calls apart by
             return None
         return tuple(key)
+
+
+def _without_wrapper(module, state_dict, prefix, local_metadata):
+    """State dict keys as the unwrapped module has them: ``backbone.stem.weight``, not ``backbone.module.stem...``."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+
+
+def _with_wrapper(module, state_dict, prefix, *args):
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
 __all__ = ["CUDAGraphed"]

@@ -7,12 +7,13 @@
 - ``naming_the_layer``: a ``LayoutError`` raised inside a module's ``forward`` says which module.
 - ``compiling_eagerly``: ``torch.compile``d code runs its original eager code (dynamo cannot trace a
   ``SpatialTensor``), with a warning when the module is compiled.
+- ``graphed``: named submodules replay their training forward and backward as CUDA graphs (``CUDAGraphed``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 
@@ -20,6 +21,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch._dynamo import OptimizedModule
 
+from ..graphs import CUDAGraphed
 from ..layout import LayoutError
 from ..tensor import module_names
 
@@ -107,3 +109,30 @@ def _innermost_module(tb: TracebackType | None) -> tuple[str, str] | None:
 
 
 __all__ = ["compiling_eagerly", "metrics_sync_over", "named_modules", "naming_the_layer"]
+
+
+@contextmanager
+def graphed(root: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Each submodule of ``root`` named in ``names`` (``"backbone"``, ``"model.encoder"``) wrapped in ``CUDAGraphed``
+    for the run, and put back after; a name that is not a submodule raises before training."""
+    swapped = []
+    try:
+        for name in names:
+            parent_name, _, attr = name.rpartition(".")
+            try:
+                parent = root.get_submodule(parent_name)
+                module = getattr(parent, attr) if attr else None
+            except AttributeError:
+                module = None
+            if not attr or not isinstance(module, torch.nn.Module):
+                have = ", ".join(n for n, _ in root.named_children())
+                raise ValueError(
+                    f"cuda_graphs names {name!r}, which is not a submodule of {type(root).__name__} (its children: "
+                    f"{have}); name the module whose forward to replay, as in LightningModule.get_submodule"
+                )
+            setattr(parent, attr, CUDAGraphed(module))
+            swapped.append((parent, attr, module))
+        yield
+    finally:
+        for parent, attr, module in reversed(swapped):
+            setattr(parent, attr, module)

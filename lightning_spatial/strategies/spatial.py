@@ -27,7 +27,7 @@ The hooks, each small:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any, Literal
@@ -50,7 +50,7 @@ from ..ops import norm
 from ..plan import Plan, make_plan, parse_budget
 from ..sharding import Select, ShardingCollate, describe
 from ..tensor import FallbackMode, SpatialTensor, fallback_mode, gather
-from ._scopes import compiling_eagerly, metrics_sync_over, named_modules, naming_the_layer
+from ._scopes import compiling_eagerly, graphed, metrics_sync_over, named_modules, naming_the_layer
 
 
 class SpatialParallelStrategy(DDPStrategy):
@@ -70,6 +70,10 @@ class SpatialParallelStrategy(DDPStrategy):
             whose trailing two dims equal the image's (H, W) (``sharding.image_size`` says which is the image).
         fallback: an op without a spatial handler gathers its operands: ``"warn"`` once per op (default),
             ``"error"`` raises instead (naming the op, the module and the bytes), ``"silent"``.
+        cuda_graphs: submodules of the LightningModule (``["backbone"]``, as ``get_submodule`` names them) whose
+            training forward and backward replay as CUDA graphs after a warm-up step (``graphs.CUDAGraphed``):
+            the op layer's host time out of a bf16 step; eager off CUDA, in validation, and for inputs of a new
+            shape. Checkpoints keep the module's own names.
         ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: as for ``DDPStrategy`` (e.g. fp16 compression),
             registered on CPU and GPU; the hook averages over the world, and its result is scaled to the
             data-parallel mean (see the module docstring).
@@ -87,6 +91,7 @@ class SpatialParallelStrategy(DDPStrategy):
         memory_budget: int | str | None = None,
         shard_select: Select | None = None,
         fallback: FallbackMode = "warn",
+        cuda_graphs: Sequence[str] = (),
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -105,6 +110,8 @@ class SpatialParallelStrategy(DDPStrategy):
         SpatialDims(h * w, h, w)  # now, not in the ranks; whether it divides the world waits for the world size
         if memory_budget is not None and not auto:
             raise ValueError(f"memory_budget is for spatial_size='auto', got spatial_size={spatial_size!r}")
+        if isinstance(cuda_graphs, str):
+            raise ValueError(f"cuda_graphs is a list of submodule names, got the string {cuda_graphs!r}")
         if fallback not in ("warn", "error", "silent"):
             raise ValueError(f"fallback must be 'warn', 'error' or 'silent', got {fallback!r}")
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no second copy of the gradients
@@ -124,6 +131,7 @@ class SpatialParallelStrategy(DDPStrategy):
         self._shard_dim = shard_dim
         self._shard_select = shard_select
         self._fallback = fallback
+        self._cuda_graphs = tuple(cuda_graphs)
         self._user_comm_hook = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         self.dims: SpatialDims | None = None
         self.plan: Plan | None = None  # spatial_size="auto": the chosen layout with every candidate's estimate
@@ -213,6 +221,7 @@ class SpatialParallelStrategy(DDPStrategy):
             norm.batch_norm_over(self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None)
         )
         self._run.enter_context(metrics_sync_over(self.data_group))
+        self._run.enter_context(graphed(self.lightning_module, self._cuda_graphs))
         super().setup(trainer)
         self._run.enter_context(named_modules(self.lightning_module))
 

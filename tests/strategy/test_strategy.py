@@ -14,6 +14,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor, gather, layout
+from lightning_spatial.graphs import CUDAGraphed
 from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, LitModel, loader
 from tests.strategy.test_equivalence import assert_same_weights
@@ -173,6 +174,31 @@ def test_checkpoint_round_trip_and_resume(tmp_path):
     assert_same_weights(resumed, uninterrupted, tolerance=1e-5)
 
 
+class SeesGraphs(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        assert isinstance(pl_module.model, CUDAGraphed)
+        assert "model.stem.0.weight" in pl_module.state_dict()
+
+
+def test_cuda_graphs_wrap_for_the_run_and_checkpoints_keep_the_module_names(tmp_path):
+    """Off CUDA the wrapped module runs eagerly: the same weights as without; checkpoints and the weights sent
+    back to this process carry the module's own names; the module is put back after the run. (The replay itself:
+    tests/test_graphs.py on one GPU, tests/strategy/test_nccl.py on two.)"""
+    data = Images(4, 32, 64)
+    plain = LitModel("convnext_atto")
+    trainer(2, 2).fit(plain, loader(data, 4))
+    ours = LitModel("convnext_atto")
+    strategy = SpatialParallelStrategy(2, start_method="fork", cuda_graphs=["model"])
+    t = trainer(2, 2, strategy=strategy, callbacks=[SeesGraphs()], default_root_dir=tmp_path, enable_checkpointing=True)
+    t.fit(ours, loader(data, 4))
+    assert type(ours.model) is not CUDAGraphed
+    assert_same_weights(ours, plain, tolerance=0)
+    saved = torch.load(
+        t.checkpoint_callback.best_model_path or t.checkpoint_callback.last_model_path, weights_only=False
+    )
+    assert saved["state_dict"].keys() == plain.state_dict().keys()
+
+
 def test_plain_checkpoint_loads_into_a_spatial_run(tmp_path):
     data = Images(4, 32, 64)
     t = trainer(spatial=None, max_epochs=1, default_root_dir=tmp_path, enable_checkpointing=True)
@@ -287,10 +313,14 @@ class NoStep(L.Callback):
         ("too narrow", "dim -1 has size 1, smaller than its 2 ranks"),
         ("layer output too small", r"max_pool2d: output size 1 .* \[in module 'model.enc2.0' \(MaxPool2d\)\]"),
         ("no image", "no image-sized tensor in the batch"),
+        ("cuda_graphs", r"cuda_graphs names 'backbone', which is not a submodule of LitModel \(its children: model,"),
     ],
 )
 def test_bad_input_fails_before_training(case, match):
     t, data = trainer(2, 2, callbacks=[NoStep()]), Images(4, 16, 24)
+    if case == "cuda_graphs":
+        strategy = SpatialParallelStrategy(2, start_method="fork", cuda_graphs=["backbone"])
+        t = trainer(2, 2, strategy=strategy, callbacks=[NoStep()])
     if case == "indivisible":
         t = trainer(2, 3, callbacks=[NoStep()])
     elif case == "too narrow":
@@ -312,6 +342,7 @@ def test_bad_input_fails_before_training(case, match):
         ({"spatial_size": (2, 0)}, "spatial_w must be a positive int, got 0"),
         ({"spatial_size": 2, "shard_dim": "channels"}, "shard_dim must be one of .'width', 'height'., got 'channels'"),
         ({"fallback": "loud"}, "fallback must be 'warn', 'error' or 'silent', got 'loud'"),
+        ({"cuda_graphs": "model"}, "cuda_graphs is a list of submodule names, got the string 'model'"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
