@@ -4,6 +4,7 @@ collate hook), any strategy. Compares strategies on the same model and global ba
     torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy ddp --model convnext_large --batch 2
     horovodrun -np 2 -H localhost:2 python recipes/bench_trainer.py --strategy horovod --model convnext_large --batch 2
     torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --model convnext_large --batch 4
+    torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --cuda-graphs backbone ...
     python recipes/bench_trainer.py --strategy single --model petr --batch 1 --height 512 --width 1408
 
 ``--batch`` is per process for data parallel strategies and per spatial group for ``spatial_tp`` (every rank of
@@ -37,6 +38,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--height", type=int, default=512)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
+    p.add_argument(
+        "--cuda-graphs", default="", help="spatial_tp: submodules replayed as CUDA graphs, comma list (backbone)"
+    )
     p.add_argument("--compression", default="none", help="horovod: none | fp16")
     p.add_argument("--fusion-mb", type=float, default=None, help="horovod: tensor fusion buffer (MiB)")
     p.add_argument("--cycle-ms", type=float, default=None, help="horovod: cycle time (ms)")
@@ -125,7 +129,8 @@ def strategy(args):
     from lightning_spatial import HorovodStrategy, SpatialParallelStrategy
 
     if args.strategy == "spatial_tp":
-        return SpatialParallelStrategy(args.spatial or None)
+        graphs = [name for name in args.cuda_graphs.split(",") if name]
+        return SpatialParallelStrategy(args.spatial or None, cuda_graphs=graphs)
     if args.strategy == "horovod":
         fusion = None if args.fusion_mb is None else int(args.fusion_mb * 2**20)
         return HorovodStrategy(

@@ -153,12 +153,14 @@ def test_benchmark_smoke_on_cpu(tmp_path):
         "0",
         "--out",
         str(out),
+        *("--graphs", "both", "--profile"),  # graphs run eagerly off CUDA; the profile is the host's
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
     assert [(r["spatial"], r["tiles"]) for r in rows] == [(2, "1x2"), (2, "1x2"), (4, "1x4"), (4, "2x2")]
     assert all(r["halo_mib_per_step"] > 0 and r["ours_ms"] > 0 and r["zero_grad"] == "after_forward" for r in rows)
+    assert all(r["graphs"] == "both" and r["profile"][0]["wall"] > 0 and r["shard_profile"]["wall"] > 0 for r in rows)
 
 
 @pytest.mark.slow
@@ -204,9 +206,11 @@ def test_trainer_benchmark_under_torchrun(strategy, tmp_path):
         "64",
     ]
     profile = ["--profile"] if strategy == "ddp" else []
-    torchrun_2("bench_trainer.py", *args, *profile, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+    graphs = ["--cuda-graphs", "backbone"] if strategy == "spatial_tp" else []  # eager on CPU
+    torchrun_2("bench_trainer.py", *args, *profile, *graphs, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
     (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
     assert row["world"] == 2 and row["strategy"] == strategy and row["step_ms"] > 0
+    assert row["cuda_graphs"] == ("" if strategy == "ddp" else "backbone")
     assert row["step_ms_range"][0] <= row["step_ms"] <= row["step_ms_range"][1]
     assert row["threads"] == 1  # torchrun's OMP_NUM_THREADS=1
     profiles = list(tmp_path.glob("profile_*.txt"))
