@@ -1,17 +1,19 @@
 """CUDA graphs of a module's forward and backward on shards: the op layer's host time out of the step.
 
-In bf16 one rank's GPU work per op is short enough that our per-op Python (``__torch_function__``, halo
-bookkeeping) sets the step time at S >= 4 (docs/benchmarks.md), and ``torch.compile`` cannot trace a shard
-(docs/design.md). A CUDA graph records the kernels of one forward and one backward, halo messages included, and
-replays them with no Python at all: what ``torch.compile(mode="reduce-overhead")`` does for plain modules, and
-what ``torch.cuda.make_graphed_callables`` does, but for calls whose inputs and outputs are shards.
+In bf16 one rank's GPU work per op can be short enough that our per-op Python (``__torch_function__``, halo
+bookkeeping) sets the step time (ConvNeXt-XL at S = 8: 1.29x the shard alone eagerly, 1.05x replayed;
+docs/benchmarks.md), and ``torch.compile`` cannot trace a shard (docs/design.md). A CUDA graph records the kernels
+of one forward and one backward, halo messages included, and replays them with no Python at all: what
+``torch.compile(mode="reduce-overhead")`` does for plain modules, and what ``torch.cuda.make_graphed_callables``
+does, but for calls whose inputs and outputs are shards.
 
 ``CUDAGraphed(module)`` (or ``SpatialParallelStrategy(cuda_graphs=["backbone"])``, which wraps named submodules for
 a run and unwraps them after) runs the module eagerly for its first ``warmup`` training calls of a given input
 signature (caches, cuDNN's algorithm search and NCCL's communicators are set up there), captures the next, and
-replays from then on. It runs eagerly, and says nothing, off CUDA, without autograd (validation), inside
-another capture, and while the parameters are not where the capture saw them. What a graph cannot see is
-frozen at capture: the forward must be a function of its tensor inputs, parameters and buffers (Python-side
+replays from then on; inputs of another shape or layout get their own capture, up to ``max_signatures`` (then eager,
+with a warning). It runs eagerly, and says nothing, off CUDA, without autograd (validation) and inside another
+capture; once the parameters are no longer where the capture saw them, it captures again. What a graph cannot see
+is frozen at capture: the forward must be a function of its tensor inputs, parameters and buffers (Python-side
 randomness or step counters are not replayed; torch's CUDA random numbers are). Outputs live in the graph's
 memory and are overwritten by the next replay, as with ``make_graphed_callables``. The graphs keep one more copy of
 the gradients and their own memory pool (measured: docs/benchmarks.md). Checkpoints do not see the wrapper: its
@@ -20,6 +22,7 @@ state dict is the module's, under the same names.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -67,7 +70,8 @@ class _Graphs:
             # stream in the backward
             shards = iter([wrap(t, layout) for t, layout in zip(self.static_in, layouts)])
             static = [next(shards) if _is(a) else a for a in flat]
-            out = functional_call(module, dict(zip(names, leaves)), tuple(tree_unflatten(static, spec)))
+            args, kwargs = tree_unflatten(static, spec)
+            out = functional_call(module, dict(zip(names, leaves)), tuple(args), kwargs)
             flat_out, self.out_spec = tree_flatten(out)
             outs = [o for o in flat_out if _is(o)]
             local_outs = [_local(o) for o in outs]
@@ -156,28 +160,39 @@ class CUDAGraphed(nn.Module):
     """``module`` whose training forward and backward replay CUDA graphs after ``warmup`` eager calls; see the
     module docstring."""
 
-    def __init__(self, module: nn.Module, warmup: int = 2) -> None:
+    def __init__(self, module: nn.Module, warmup: int = 2, max_signatures: int = 4) -> None:
         super().__init__()
         if warmup < 1:
             raise ValueError(f"CUDAGraphed: warmup={warmup}; at least one eager call must precede the capture")
         self.module = module
-        self.warmup = warmup
+        self.warmup, self.max_signatures = warmup, max_signatures
         self._graphs: dict[tuple, _Graphs] = {}
         self._eager_calls: dict[tuple, int] = {}
+        self._warned = False
         self._register_state_dict_hook(_without_wrapper)
         self.register_load_state_dict_pre_hook(_with_wrapper)
 
-    def forward(self, *args: Any) -> Any:
-        flat, spec = tree_flatten(args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
         key = self._signature(flat, spec)
         if key is None:
-            return self.module(*args)
+            return self.module(*args, **kwargs)
         graphs = self._graphs.get(key)
         if graphs is not None and graphs.fits():
             return graphs(flat)
         calls = self._eager_calls[key] = self._eager_calls.get(key, 0) + 1
         if calls <= self.warmup:
-            return self.module(*args)
+            return self.module(*args, **kwargs)
+        if graphs is None and len(self._graphs) >= self.max_signatures:  # each capture holds its own memory
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"CUDAGraphed({type(self.module).__name__}): inputs of more than {self.max_signatures} shapes or "
+                    "layouts; new ones run eagerly (each capture keeps its activations' memory). Pad or bucket inputs "
+                    "to a few sizes, or raise max_signatures",
+                    stacklevel=2,
+                )
+            return self.module(*args, **kwargs)
         self._graphs[key] = graphs = _Graphs(self.module, flat, spec)
         return graphs(flat)
 

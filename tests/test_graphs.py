@@ -154,6 +154,32 @@ def test_parameters_moved_elsewhere_are_captured_again(deterministic):
     assert len(graphed._graphs) == 1
 
 
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x, *, scale):
+        return self.conv(x) * scale
+
+
+@gpu
+def test_keyword_inputs_and_a_bounded_number_of_captures():
+    """Keyword tensors are inputs like positional ones; a third input shape beyond ``max_signatures=2`` runs eagerly
+    with a warning instead of holding a third graph's memory."""
+    torch.manual_seed(4)
+    eager = Scaled().cuda()
+    graphed = CUDAGraphed(copy.deepcopy(eager), warmup=1, max_signatures=2)
+    for width in (8, 16, 24):
+        for _ in range(3):
+            x, scale = torch.randn(1, 3, 8, width, device="cuda"), torch.randn(4, 1, 1, device="cuda")
+            if width == 24 and not graphed._warned:
+                with pytest.warns(UserWarning, match="more than 2 shapes or layouts"):
+                    graphed(x, scale=scale)
+            torch.testing.assert_close(graphed(x, scale=scale), eager(x, scale=scale), rtol=1e-5, atol=1e-6)
+    assert len(graphed._graphs) == 2
+
+
 def test_off_cuda_and_without_autograd_it_runs_eagerly():
     model = make(device="cpu")
     graphed = CUDAGraphed(copy.deepcopy(model), warmup=1)

@@ -222,6 +222,14 @@ def test_trainer_benchmark_under_torchrun(strategy, tmp_path):
         assert not profiles
 
 
+def test_window_join_smoke():
+    """The halo-window join benchmark runs on CPU and both ways join the same window; no timing is asserted."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "bench_window.py"), "--device", "cpu", "--batch", "1"]
+    done = subprocess.run([*cmd, "--calls", "1", "--dtype", "float32"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("\n") == 5  # a header and four stages
+
+
 def test_dispatch_overhead_smoke():
     """The per-op host-time script runs every op on plain and sharded tensors; no timing is asserted."""
     cmd = [sys.executable, str(ROOT / "recipes" / "dispatch_overhead.py"), "--calls", "20", "--repeats", "1"]
