@@ -166,7 +166,10 @@ def _cat(parts: list[torch.Tensor], dim: int, out: torch.Tensor) -> None:
     """``torch.cat(parts, dim, out=out)`` on views whose dims are in memory order (``out`` dense, every part laid
     out like it): the copy runs as over contiguous tensors."""
     order = _memory_order(out.stride())
-    torch.cat([p.permute(order) for p in parts], order.index(dim % out.dim()), out=out.permute(order))
+    if order == tuple(range(len(order))):  # already in memory order (NCHW): no views to make
+        torch.cat(parts, dim, out=out)
+    else:
+        torch.cat([p.permute(order) for p in parts], order.index(dim % out.dim()), out=out.permute(order))
 
 
 def _window(x: torch.Tensor, plan: _Plan, dim: int, axis, fill: float) -> torch.Tensor:
