@@ -75,9 +75,8 @@ class _Graphs:
             flat_out, self.out_spec = tree_flatten(out)
             outs = [o for o in flat_out if _is(o)]
             local_outs = [_local(o) for o in outs]
-        self.out_is_tensor = [_is(o) for o in flat_out]
-        self.constants = [None if t else o for o, t in zip(flat_out, self.out_is_tensor)]
-        self.out_layouts = [_layout(o) for o in outs]
+        # per output position: (True, the layout a tensor is returned with) or (False, a constant returned as is)
+        self.out_slots = [(True, _layout(o)) if _is(o) else (False, o) for o in flat_out]
         self.static_out = [o.detach() for o in local_outs]
         self.out_needs_grad = [o.requires_grad for o in outs]
         differentiable = [o for o in local_outs if o.requires_grad]
@@ -100,15 +99,8 @@ class _Graphs:
                 static.copy_(_local(a))
         edges = [_local(a) for a, needs in zip(flat, self.input_needs_grad) if needs]
         outs = iter(_Replay.apply(self, *edges, *self.params))
-        flat_out = [
-            wrap(next(outs), layout) if t else c
-            for t, c, layout in zip(self.out_is_tensor, self.constants, self._layouts_by_position())
-        ]
+        flat_out = [wrap(next(outs), value) if tensor else value for tensor, value in self.out_slots]
         return tree_unflatten(flat_out, self.out_spec)
-
-    def _layouts_by_position(self):
-        layouts = iter(self.out_layouts)
-        return [next(layouts) if t else None for t in self.out_is_tensor]
 
 
 class _Replay(torch.autograd.Function):
@@ -198,7 +190,7 @@ class CUDAGraphed(nn.Module):
 
     def _signature(self, flat: list, spec) -> tuple | None:
         """What a capture depends on, or None where it must run eagerly."""
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        tensors = [a for a in flat if _is(a)]
         if not torch.is_grad_enabled() or not tensors or any(not a.is_cuda for a in tensors):
             return None
         if torch.cuda.is_current_stream_capturing():
@@ -209,7 +201,7 @@ class CUDAGraphed(nn.Module):
             torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
         ]
         for a in flat:
-            if isinstance(a, torch.Tensor):
+            if _is(a):
                 local = _local(a)
                 key.append((tuple(local.shape), local.stride(), local.dtype, local.device, a.requires_grad, _layout(a)))
             else:

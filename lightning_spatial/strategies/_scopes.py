@@ -108,9 +108,6 @@ def _innermost_module(tb: TracebackType | None) -> tuple[str, str] | None:
     return found
 
 
-__all__ = ["compiling_eagerly", "metrics_sync_over", "named_modules", "naming_the_layer"]
-
-
 @contextmanager
 def graphed(root: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
     """Each submodule of ``root`` named in ``names`` (``"backbone"``, ``"model.encoder"``) wrapped in ``CUDAGraphed``
@@ -136,3 +133,6 @@ def graphed(root: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
     finally:
         for parent, attr, module in reversed(swapped):
             setattr(parent, attr, module)
+
+
+__all__ = ["compiling_eagerly", "graphed", "metrics_sync_over", "named_modules", "naming_the_layer"]

@@ -71,9 +71,9 @@ class SpatialParallelStrategy(DDPStrategy):
         fallback: an op without a spatial handler gathers its operands: ``"warn"`` once per op (default),
             ``"error"`` raises instead (naming the op, the module and the bytes), ``"silent"``.
         cuda_graphs: submodules of the LightningModule (``["backbone"]``, as ``get_submodule`` names them) whose
-            training forward and backward replay as CUDA graphs after a warm-up step (``graphs.CUDAGraphed``):
-            the op layer's host time out of a bf16 step; eager off CUDA, in validation, and for inputs of a new
-            shape. Checkpoints keep the module's own names.
+            training forward and backward replay as CUDA graphs after two eager steps (``graphs.CUDAGraphed``):
+            the op layer's host time out of a bf16 step; eager off CUDA and in validation; each new input shape
+            is captured after its own two steps (up to 4). Checkpoints keep the module's own names.
         ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: as for ``DDPStrategy`` (e.g. fp16 compression),
             registered on CPU and GPU; the hook averages over the world, and its result is scaled to the
             data-parallel mean (see the module docstring).
