@@ -4,7 +4,7 @@ graph cannot be captured (CPU, no autograd)."""
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import timm
@@ -82,20 +82,25 @@ def test_replays_train_to_the_eager_weights(deterministic, precision, accumulate
         assert_close_weights(eager, graphed, rtol)
 
 
-@gpu
-def test_shards_replay_as_their_eager_op_layer(deterministic, monkeypatch):
-    """One rank of a width-2 group (PyTorch's fake process group; received halos read as zeros): the op layer's
-    halo windows, its reductions and the replicated result after global pooling replay as they ran eagerly."""
+@contextmanager
+def one_rank_of_two(rank: int, width: int, monkeypatch):
+    """This process as rank ``rank`` of a width-2 group (PyTorch's fake process group; received halos read as
+    zeros); yields the layout of a map ``width`` wide."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    def zeros(axis, sends, recvs):
-        for _, t in recvs:
-            t.zero_()
-
-    monkeypatch.setattr(halo, "_p2p", zeros)
-    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    monkeypatch.setattr(halo, "_p2p", lambda axis, sends, recvs: [t.zero_() for _, t in recvs])
+    dist.init_process_group("fake", rank=rank, world_size=2, store=FakeStore())
     try:
-        layout = Layout((DimShard(-1, Axis.from_group(dist.group.WORLD), 128),))
+        yield Layout((DimShard(-1, Axis.from_group(dist.group.WORLD), width),))
+    finally:
+        dist.destroy_process_group()
+
+
+@gpu
+def test_shards_replay_as_their_eager_op_layer(deterministic, monkeypatch):
+    """One rank of a width-2 group: the op layer's halo windows, its reductions and the replicated result after
+    global pooling replay as they ran eagerly."""
+    with one_rank_of_two(1, 128, monkeypatch) as layout:
         g = torch.Generator(device="cuda").manual_seed(2)
         inputs = [wrap(torch.randn(2, 3, 64, 64, device="cuda", generator=g), layout) for _ in range(4)]
         for name in ("convnext_atto", "resnet10t"):
@@ -105,23 +110,16 @@ def test_shards_replay_as_their_eager_op_layer(deterministic, monkeypatch):
             assert len(graphed._graphs) == 1
             torch.testing.assert_close(loss_g, loss_e, rtol=1e-5, atol=0)
             assert_close_weights(eager, graphed, 1e-5)
-    finally:
-        dist.destroy_process_group()
 
 
 @gpu
 def test_sharded_inputs_and_outputs_keep_their_layout_and_gradients(deterministic, monkeypatch):
     """A shard in, a shard out, and the input's gradient (a shard too) as the eager op layer gives them."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    monkeypatch.setattr(halo, "_p2p", lambda axis, sends, recvs: [t.zero_() for _, t in recvs])
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
-        layout = Layout((DimShard(-1, Axis.from_group(dist.group.WORLD), 64),))
+    with one_rank_of_two(0, 64, monkeypatch) as layout:
         torch.manual_seed(3)
         eager = torch.nn.Conv2d(3, 4, 3, padding=1).cuda()
         graphed = CUDAGraphed(copy.deepcopy(eager), warmup=1)
-        for i in range(3):
+        for _ in range(3):
             local = torch.randn(1, 3, 8, 32, device="cuda")
             weights = torch.randn(1, 4, 8, 32, device="cuda")
             results = []
@@ -134,8 +132,6 @@ def test_sharded_inputs_and_outputs_keep_their_layout_and_gradients(deterministi
             for a, b in zip(*results):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         assert len(graphed._graphs) == 1
-    finally:
-        dist.destroy_process_group()
 
 
 @gpu
