@@ -6,7 +6,7 @@ StrategyRegistry.
 
 from __future__ import annotations
 
-from . import ops
+from . import compiling, ops
 from .callbacks import LatestCheckpoint, SpatialSummary
 from .collectives import all_gather, all_reduce
 from .halo import fetch_window
@@ -17,6 +17,7 @@ from .strategies import HorovodStrategy, SpatialParallelStrategy
 from .tensor import SpatialFallbackWarning, SpatialTensor, fallback_mode, gather, shard
 
 ops.install()
+compiling.install()
 
 
 def _register_strategies() -> None:

@@ -3,27 +3,47 @@
 A replicated tensor's gradient is held as splits across its spatial group that sum to the true gradient
 (docs/design.md, "Gradients"). So sharded -> replicated by all-reduce has an all-reduce as adjoint, and
 all-gather (the fallback for unhandled ops) has a reduce-scatter as adjoint.
+
+Each collective is also a torch custom op, which is what code traced by ``torch.compile`` calls: dynamo
+records it as one graph node (its Python, the collective included, runs at every call) instead of tracing
+process groups. A custom op names its group by the axis's global ranks (``layout.group_of``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .layout import partition
+from .layout import Axis, group_of, partition
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_NAMES = {op: name for name, op in _OPS.items()}
+
+
+def _reduced(x: torch.Tensor, group, op) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+def _reduced_grad(grad: torch.Tensor, x, out, op, reduce: Callable) -> torch.Tensor:
+    """The adjoint of an all-reduce whose own all-reduce of sums is ``reduce``."""
+    grad = reduce(grad)
+    if op != dist.ReduceOp.SUM:
+        # The extreme's owner(s) take the gradient (ties share it, as torch's amax does).
+        hit = (x == out).to(grad.dtype)
+        grad = grad * hit / reduce(hit)
+    return grad
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, op) -> torch.Tensor:
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
-            raise ValueError(f"all_reduce supports SUM, MAX and MIN, got {op}")
         ctx.group, ctx.op = group, op
-        out = x.contiguous().clone()
-        dist.all_reduce(out, op=op, group=group)
+        out = _reduced(x, group, op)
         if op != dist.ReduceOp.SUM:
             ctx.save_for_backward(x, out)
         return out
@@ -31,33 +51,59 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the collective carries no graph: refuse a second derivative rather than miss terms
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        if ctx.op != dist.ReduceOp.SUM:
-            # The extreme's owner(s) take the gradient (ties share it, as torch's amax does).
-            x, out = ctx.saved_tensors
-            hit = (x == out).to(grad.dtype)
-            count = hit.clone()
-            dist.all_reduce(count, group=ctx.group)
-            grad = grad * hit / count
-        return grad, None, None
+        x, out = ctx.saved_tensors if ctx.op != dist.ReduceOp.SUM else (None, None)
+        return _reduced_grad(grad, x, out, ctx.op, lambda t: _reduced(t, ctx.group, dist.ReduceOp.SUM)), None, None
 
 
-def all_reduce(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Differentiable all-reduce over ``group`` (SUM, MAX or MIN)."""
-    return _AllReduce.apply(x, group, op)
+@torch.library.custom_op("lightning_spatial::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, ranks: list[int], op: str) -> torch.Tensor:
+    return _reduced(x, group_of(ranks), _OPS[op])
+
+
+@_all_reduce_op.register_fake
+def _(x, ranks, op):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _all_reduce_setup(ctx, inputs, output):
+    x, ctx.ranks, ctx.op = inputs
+    ctx.save_for_backward(*((x, output) if ctx.op != "sum" else ()))
+
+
+def _all_reduce_backward(ctx, grad):
+    x, out = ctx.saved_tensors if ctx.op != "sum" else (None, None)
+    return _reduced_grad(grad, x, out, _OPS[ctx.op], lambda t: _all_reduce_op(t, ctx.ranks, "sum")), None, None
+
+
+_all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+
+
+def _axis(group: Axis | dist.ProcessGroup | None) -> Axis:
+    return group if isinstance(group, Axis) else Axis.from_group(group)
+
+
+def all_reduce(x: torch.Tensor, group: Axis | dist.ProcessGroup | None = None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Differentiable all-reduce over a mesh axis or process group (default: the world), SUM, MAX or MIN."""
+    if op not in _NAMES:
+        raise ValueError(f"all_reduce supports SUM, MAX and MIN, got {op}")
+    axis = _axis(group)
+    if torch.compiler.is_dynamo_compiling():
+        return _all_reduce_op(x, list(axis.ranks), _NAMES[op])
+    return _AllReduce.apply(x, axis.group, op)
 
 
 def across(x: torch.Tensor, axes: Iterable, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Differentiable all-reduce of a partial result over several mesh axes (``Axis`` or anything with an
     ``.axis``, e.g. the ``DimShard``s of the reduced dims), one after the other for 2-D tiles."""
     for a in axes:
-        x = all_reduce(x, getattr(a, "axis", a).group, op)
+        x = all_reduce(x, getattr(a, "axis", a), op)
     return x
 
 
 def across_detached(x: torch.Tensor, axes: Iterable, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """``across`` for values that need no gradient (a softmax shift, an index, a count): in place, no graph."""
+    if torch.compiler.is_dynamo_compiling():
+        return across(x.detach(), axes, op)
     x = x.detach().clone(memory_format=torch.contiguous_format)  # NCCL reduces dense row-major tensors only
     for a in axes:
         dist.all_reduce(x, op=op, group=getattr(a, "axis", a).group)
@@ -72,36 +118,69 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def _padded(x: torch.Tensor, dim: int, longest: int) -> torch.Tensor:
+    """``x`` grown to ``longest`` rows along ``dim`` (gloo needs equal sizes), in its own memory format."""
+    if x.shape[dim] < longest:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim)
+    return x.contiguous(memory_format=_memory_format(x))  # the full tensor keeps x's memory format
+
+
+def _gathered(x: torch.Tensor, dim: int, group, bounds) -> torch.Tensor:
+    padded = _padded(x, dim, bounds[0][1] - bounds[0][0])
+    pieces = [torch.empty_like(padded) for _ in bounds]
+    dist.all_gather(pieces, padded, group=group)
+    return torch.cat([p.narrow(dim, 0, b - a) for p, (a, b) in zip(pieces, bounds)], dim)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
-        parts = dist.get_world_size(group)
-        bounds = partition(n, parts)
-        longest = bounds[0][1] - bounds[0][0]
-        ctx.dim, ctx.group, ctx.bounds = dim, group, bounds
-        padded = x
-        if x.shape[dim] < longest:  # gloo needs equal sizes: pad the short shards, cut after
-            pad_shape = list(x.shape)
-            pad_shape[dim] = longest - x.shape[dim]
-            padded = torch.cat([x, x.new_zeros(pad_shape)], dim)
-        padded = padded.contiguous(memory_format=_memory_format(x))  # the full tensor keeps x's memory format
-        pieces = [torch.empty_like(padded) for _ in range(parts)]
-        dist.all_gather(pieces, padded, group=group)
-        return torch.cat([p.narrow(dim, 0, b - a) for p, (a, b) in zip(pieces, bounds)], dim)
+    def forward(ctx, x: torch.Tensor, dim: int, axis: Axis, n: int) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.bounds = dim, axis.group, partition(n, axis.size)
+        return _gathered(x, dim, ctx.group, ctx.bounds)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         # Reduce-scatter of the split gradients; all-reduce then slice keeps uneven shards simple.
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
         a, b = ctx.bounds[dist.get_rank(ctx.group)]
-        return grad.narrow(ctx.dim, a, b - a), None, None, None
+        return _reduced(grad, ctx.group, dist.ReduceOp.SUM).narrow(ctx.dim, a, b - a), None, None, None
 
 
-def all_gather(x: torch.Tensor, dim: int, group, global_size: int) -> torch.Tensor:
-    """Differentiable all-gather of shards of a dim of ``global_size`` split by the partition rule."""
-    return _AllGather.apply(x, dim, group, global_size)
+@torch.library.custom_op("lightning_spatial::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, dim: int, ranks: list[int], n: int) -> torch.Tensor:
+    return _gathered(x, dim, group_of(ranks), partition(n, len(ranks)))
+
+
+@_all_gather_op.register_fake
+def _(x, dim, ranks, n):
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_memory_format(x))
+
+
+def _all_gather_setup(ctx, inputs, output):
+    x, ctx.dim, ctx.ranks, n = inputs
+    ctx.bounds = partition(n, len(ctx.ranks))
+    ctx.me = ctx.ranks.index(dist.get_rank())
+
+
+def _all_gather_backward(ctx, grad):
+    a, b = ctx.bounds[ctx.me]
+    return _all_reduce_op(grad, ctx.ranks, "sum").narrow(ctx.dim, a, b - a), None, None, None
+
+
+_all_gather_op.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
+
+
+def all_gather(x: torch.Tensor, dim: int, group: Axis | dist.ProcessGroup | None, global_size: int) -> torch.Tensor:
+    """Differentiable all-gather over a mesh axis or process group of shards of a dim of ``global_size`` split by
+    the partition rule."""
+    axis = _axis(group)
+    if torch.compiler.is_dynamo_compiling():
+        return _all_gather_op(x, dim, list(axis.ranks), global_size)
+    return _AllGather.apply(x, dim, axis, global_size)
 
 
 __all__ = ["across", "across_detached", "all_gather", "all_reduce"]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .layout import DimShard, partition, source_index
+from .layout import DimShard, group_of, partition, source_index
 
 # A selection along the dim: a ``range`` for a contiguous run (narrow), else a tuple of indices.
 Selection = range | tuple[int, ...]
@@ -87,7 +87,7 @@ def _in_order(length: int, local, recvs, fill) -> tuple[range | int, ...] | None
     return tuple(src for _, src in runs)
 
 
-def _p2p(axis, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+def _p2p(group, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
     """One batch of neighbour messages (``(index on the axis, tensor)``), straight on the axis's process group.
 
     What ``dist.batch_isend_irecv`` does, without its per-message Python (a ``P2POp`` and ``isend``'s checks
@@ -95,7 +95,6 @@ def _p2p(axis, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, tor
     launch (so the order of sends and receives cannot deadlock), other backends run the messages as given."""
     if not sends and not recvs:
         return
-    group = axis.group
     device = (sends or recvs)[0][1].device
     coalesce = _coalesces(group, device)
     if coalesce:
@@ -173,11 +172,11 @@ def _cat(parts: list[torch.Tensor], dim: int, out: torch.Tensor) -> None:
         torch.cat([p.permute(order) for p in parts], order.index(dim % out.dim()), out=out.permute(order))
 
 
-def _window(x: torch.Tensor, plan: _Plan, dim: int, axis, fill: float) -> torch.Tensor:
+def _window(x: torch.Tensor, plan: _Plan, dim: int, group, fill: float) -> torch.Tensor:
     sends = [(j, _select(x, dim, rows).contiguous()) for j, rows in plan.sends]
     recvs = [(j, x.new_empty(_shape(x, dim, count))) for j, _, count in plan.recvs]
     _count_sent(sends)
-    _p2p(axis, sends, recvs)
+    _p2p(group, sends, recvs)
     out = empty_as(x, _shape(x, dim, plan.length))
     if plan.pieces is not None:  # one copy kernel for the whole window
         parts = [_select(x, dim, p) if isinstance(p, range) else _laid_out_like(out, recvs[p][1]) for p in plan.pieces]
@@ -194,31 +193,88 @@ def _window(x: torch.Tensor, plan: _Plan, dim: int, axis, fill: float) -> torch.
     return out
 
 
+def _window_grad(grad: torch.Tensor, plan: _Plan, dim: int, group, local_shape) -> torch.Tensor:
+    """The adjoint of ``_window``: each window row's gradient is added to the row it was read from."""
+    sends = [(j, _select(grad, dim, pos).contiguous()) for j, pos, _ in plan.recvs]
+    recvs = [(j, grad.new_empty(_shape(grad, dim, _count(rows)))) for j, rows in plan.sends]
+    _count_sent(sends)
+    _p2p(group, sends, recvs)
+    n = local_shape[dim]
+    if plan.local is not None and plan.local[1] == range(0, n) and isinstance(plan.local[0], range):
+        # the window holds all our rows in order (a conv halo): one copy instead of zero-fill + add
+        grad_x = _select(grad, dim, plan.local[0]).clone(memory_format=torch.preserve_format)
+    else:
+        grad_x = empty_as(grad, list(local_shape)).zero_()
+        if plan.local is not None:
+            _add(grad_x, dim, plan.local[1], _select(grad, dim, plan.local[0]))
+    for (_, rows), (_, buf) in zip(plan.sends, recvs):
+        _add(grad_x, dim, rows, buf)
+    return grad_x
+
+
 class _FetchWindow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: _Plan, dim: int, shard: DimShard, fill: float) -> torch.Tensor:
-        ctx.plan, ctx.dim, ctx.axis, ctx.local_shape = plan, dim, shard.axis, x.shape
-        return _window(x, plan, dim, shard.axis, fill)
+        ctx.plan, ctx.dim, ctx.group, ctx.local_shape = plan, dim, shard.axis.group, x.shape
+        return _window(x, plan, dim, ctx.group, fill)
 
     @staticmethod
     @once_differentiable  # the messages carry no graph: a second derivative would miss the neighbours' terms
     def backward(ctx, grad: torch.Tensor):
-        plan, dim = ctx.plan, ctx.dim
-        sends = [(j, _select(grad, dim, pos).contiguous()) for j, pos, _ in plan.recvs]
-        recvs = [(j, grad.new_empty(_shape(grad, dim, _count(rows)))) for j, rows in plan.sends]
-        _count_sent(sends)
-        _p2p(ctx.axis, sends, recvs)
-        n = ctx.local_shape[dim]
-        if plan.local is not None and plan.local[1] == range(0, n) and isinstance(plan.local[0], range):
-            # the window holds all our rows in order (a conv halo): one copy instead of zero-fill + add
-            grad_x = _select(grad, dim, plan.local[0]).clone(memory_format=torch.preserve_format)
-        else:
-            grad_x = empty_as(grad, list(ctx.local_shape)).zero_()
-            if plan.local is not None:
-                _add(grad_x, dim, plan.local[1], _select(grad, dim, plan.local[0]))
-        for (_, rows), (_, buf) in zip(plan.sends, recvs):
-            _add(grad_x, dim, rows, buf)
-        return grad_x, None, None, None, None
+        return _window_grad(grad, ctx.plan, ctx.dim, ctx.group, ctx.local_shape), None, None, None, None
+
+
+# The window as graph ops for torch.compile: dynamo records these custom ops (their Python runs at every call, the
+# messages included) instead of tracing process groups. A shard is named by plain values: the plan's arguments
+# (cached by ``_plan``) and the axis's global ranks (its process group is looked up in this process).
+
+
+def _traced_plan(n: int, me: int, windows: list[int], mode: str) -> _Plan:
+    pairs = tuple(zip(windows[::2], windows[1::2]))
+    return _plan(n, len(pairs), me, pairs, mode)
+
+
+@torch.library.custom_op("lightning_spatial::window", mutates_args=())
+def _window_op(
+    x: torch.Tensor, dim: int, n: int, me: int, windows: list[int], mode: str, fill: float, ranks: list[int]
+) -> torch.Tensor:
+    return _window(x, _traced_plan(n, me, windows, mode), dim, group_of(ranks), fill)
+
+
+@_window_op.register_fake
+def _(x, dim, n, me, windows, mode, fill, ranks):
+    return empty_as(x, _shape(x, dim, _traced_plan(n, me, windows, mode).length))
+
+
+@torch.library.custom_op("lightning_spatial::window_grad", mutates_args=())
+def _window_grad_op(
+    grad: torch.Tensor,
+    dim: int,
+    n: int,
+    me: int,
+    windows: list[int],
+    mode: str,
+    local_shape: list[int],
+    ranks: list[int],
+) -> torch.Tensor:
+    return _window_grad(grad, _traced_plan(n, me, windows, mode), dim, group_of(ranks), local_shape)
+
+
+@_window_grad_op.register_fake
+def _(grad, dim, n, me, windows, mode, local_shape, ranks):
+    return empty_as(grad, list(local_shape))
+
+
+def _window_setup(ctx, inputs, output):
+    x, dim, n, me, windows, mode, _, ranks = inputs
+    ctx.args = dim, n, me, windows, mode, list(x.shape), ranks
+
+
+def _window_backward(ctx, grad):
+    return _window_grad_op(grad, *ctx.args), None, None, None, None, None, None, None
+
+
+_window_op.register_autograd(_window_backward, setup_context=_window_setup)
 
 
 @lru_cache(maxsize=4096)
@@ -267,8 +323,11 @@ def fetch_window(
     plan = _plan(shard.size, shard.axis.size, shard.axis.index, tuple(map(tuple, windows)), mode)
     if plan.view is not None:
         return _select(x, shard.dim, plan.view)
+    if torch.compiler.is_dynamo_compiling():
+        flat = [i for w in windows for i in w]
+        return _window_op(x, shard.dim, shard.size, shard.axis.index, flat, mode, fill, list(shard.axis.ranks))
     if not (x.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the autograd Function's cost
-        return _window(x, plan, shard.dim, shard.axis, fill)
+        return _window(x, plan, shard.dim, shard.axis.group, fill)
     return _FetchWindow.apply(x, plan, shard.dim, shard, fill)
 
 

@@ -15,7 +15,7 @@ token order stays what one device would have and a later ``view(B, C, h, w)`` fi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -31,6 +31,16 @@ class LayoutError(ValueError):
 # Process groups by their global ranks: an Axis pickles as plain ranks (DataLoader workers build
 # layouts) and finds its group again in the process that communicates.
 _GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def group_of(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The process group of an axis's global ranks, in this process."""
+    try:
+        return _GROUPS[tuple(ranks)]
+    except KeyError:
+        raise RuntimeError(
+            f"no process group for ranks {tuple(ranks)} in this process; build it with Axis.from_group"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -56,12 +66,7 @@ class Axis:
 
     @property
     def group(self) -> dist.ProcessGroup:
-        try:
-            return _GROUPS[self.ranks]
-        except KeyError:
-            raise RuntimeError(
-                f"no process group for ranks {self.ranks} in this process; build it with Axis.from_group"
-            ) from None
+        return group_of(self.ranks)
 
     @property
     def size(self) -> int:
@@ -161,7 +166,7 @@ class Layout:
         """This rank's sizes of a tensor of global ``shape`` with this layout."""
         shape = list(shape)
         for dim in self.dims:
-            shape[dim] = math.prod(s.stop - s.start if s else n for n, s in self.factors(dim))
+            shape[dim] = math.prod([s.stop - s.start if s else n for n, s in self.factors(dim)])
         return shape
 
     def take_local(self, full: torch.Tensor) -> torch.Tensor:
@@ -260,7 +265,7 @@ PAD_MODES = ("zeros", "constant", "reflect", "replicate", "circular")
 @lru_cache(maxsize=4096)
 def partition(n: int, parts: int) -> tuple[tuple[int, int], ...]:
     """``(start, stop)`` of every rank's rows when ``n`` rows are split over ``parts`` ranks."""
-    base, extra = divmod(n, parts)
+    base, extra = n // parts, n % parts  # not divmod: dynamo traces this
     bounds, start = [], 0
     for r in range(parts):
         stop = start + base + (r < extra)

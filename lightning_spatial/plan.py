@@ -298,7 +298,7 @@ class _Probe:
 
     def _step(self, batch: Any) -> tuple[int, int]:
         """(bytes a forward and backward hold above the model state and the batch; halo bytes). Compiled code runs
-        eagerly: dynamo cannot trace a shard (docs/design.md, "torch.compile")."""
+        eagerly: compiling every candidate would cost more than the probe measures."""
         saved, halo, cuda = _SavedActivations(self.model), _HaloBytes(self.model), self.device.type == "cuda"
         if cuda:  # the allocator's statistics are kept on the host: no synchronisation needed
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -333,10 +333,10 @@ def _zero_filled_messages():
     detector's Hungarian matching (their all-gather already hands every rank's piece this rank's input)."""
     send_recv = halo._p2p
 
-    def zero_filled(axis, sends, recvs):
+    def zero_filled(group, sends, recvs):
         for _, t in recvs:
             t.zero_()
-        send_recv(axis, sends, recvs)
+        send_recv(group, sends, recvs)
 
     halo._p2p = zero_filled
     try:

@@ -14,6 +14,7 @@ While dynamo compiles, it raises instead: ``torch.compile`` cannot trace a shard
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -30,12 +31,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .collectives import all_gather
 from .layout import Axis, DimShard, Layout, LayoutError
 
-_NOT_COMPILABLE = (
-    "lightning_spatial: torch.compile cannot trace a SpatialTensor: it reports the global shape over one shard's "
-    "storage, and dynamo would guard the shard's sizes. SpatialParallelStrategy runs compiled code eagerly; elsewhere "
-    "call it under torch.compiler.set_stance('force_eager') (docs/design.md, 'torch.compile')"
-)
-
 
 class SpatialTensor(torch.Tensor):
     """This rank's shard of an activation; see the module docstring."""
@@ -48,6 +43,8 @@ class SpatialTensor(torch.Tensor):
 
     def to_local(self) -> torch.Tensor:
         """The shard as a plain tensor, still attached to the autograd graph."""
+        if torch.compiler.is_dynamo_compiling():  # an op of the graph (``as_subclass`` is not traceable)
+            return torch.ops.aten.alias.default(self)
         with torch._C.DisableTorchFunctionSubclass():
             return self.as_subclass(torch.Tensor)
 
@@ -63,18 +60,31 @@ class SpatialTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if _compiling():  # dynamo is reading a shard: its graph would be guarded on the shard's sizes
-            raise RuntimeError(_NOT_COMPILABLE)
+        if (
+            _building_graph()
+            or (isinstance(func, _GRAPH_OPS) and func not in HANDLERS)
+            or (func in _INPUT_WRITES and sys._getframe(1).f_code.co_filename.startswith(_AOT_RUNTIME))
+        ):
+            # dynamo's own reads of a shard while it builds a graph (fake tensors, guards); the ``torch.ops`` a
+            # compiled graph runs (dynamo traced them from our handlers, on the shards); aot_autograd writing the
+            # graph's local results into a shard it was given (an input mutated in place)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         handler = HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **(kwargs or {}))
         return fallback(func, args, kwargs or {})
 
 
-def _compiling() -> bool:
-    """Dynamo is tracing: torch 2.14 calls us then with ``is_compiling()`` true; torch 2.11 calls us from its own
-    machinery (fake tensors, attribute reads) with it false, inside its tracing context."""
-    return is_compiling() or TracingContext.try_get() is not None
+_GRAPH_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
+_INPUT_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.as_strided_, torch.Tensor.set_})
+_AOT_RUNTIME = os.path.dirname(torch._functorch.__file__)
+
+
+def _building_graph() -> bool:
+    """Dynamo runs code of its own on a shard (not code it traces, where ``is_dynamo_compiling()`` holds): torch 2.14
+    calls us then with ``is_compiling()`` true, torch 2.11 with it false but inside its tracing context."""
+    return (is_compiling() or TracingContext.try_get() is not None) and not torch.compiler.is_dynamo_compiling()
 
 
 def _rebuild(rebuild: Callable, args: tuple, layout: Layout) -> SpatialTensor:
@@ -112,7 +122,7 @@ def adopt(out: torch.Tensor, layout: Layout | None) -> torch.Tensor:
     pass a tensor that user code may hold (an operand returned unchanged, a parameter): use ``wrap``."""
     if layout is None:
         return out
-    if type(out) is not torch.Tensor:
+    if type(out) is not torch.Tensor or torch.compiler.is_dynamo_compiling():
         return wrap(out, layout)
     out.__class__ = SpatialTensor
     out._layout = layout
@@ -121,9 +131,21 @@ def adopt(out: torch.Tensor, layout: Layout | None) -> torch.Tensor:
 
 def on_shard(func: Callable, *args: Any, **kwargs: Any) -> Any:
     """``func`` with every SpatialTensor argument read as its shard, without making plain aliases of them
-    (``to_local``); the results are plain tensors."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
+    (``to_local``); the results are plain tensors, but an operand returned (in place) is returned as it is.
+
+    Under dynamo the shards are read through plain aliases: dynamo types what an in-place op returns under
+    disabled torch function as a plain tensor and puts it in place of every reference to the operand, which
+    would lose the shard's layout in the code being traced."""
+    if not torch.compiler.is_dynamo_compiling():
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    local = [a.to_local() if isinstance(a, SpatialTensor) else a for a in args]
+    named = {k: v.to_local() if isinstance(v, SpatialTensor) else v for k, v in kwargs.items()}
+    out = func(*local, **named)
+    for given, alias in (*zip(args, local), *((kwargs[k], named[k]) for k in kwargs)):
+        if out is alias and alias is not given:
+            return given
+    return out
 
 
 def unwrap(x: Any) -> tuple[Any, Layout | None]:
@@ -161,7 +183,7 @@ def gather(x: torch.Tensor) -> torch.Tensor:
             local = local.unflatten(pos, [s.stop - s.start if s else n for n, s in factors])
         for k, (n, s) in enumerate(factors):
             if s is not None:
-                local = all_gather(local, pos + k, s.axis.group, n)
+                local = all_gather(local, pos + k, s.axis, n)
         if len(factors) > 1:
             local = local.flatten(pos, pos + len(factors) - 1)
     return local
@@ -303,6 +325,7 @@ def _global_bytes(t: SpatialTensor) -> int:
     return t._layout.global_shape(local).numel() * t.element_size()
 
 
+@torch.compiler.disable  # compiled code breaks its graph here and runs the fallback as eager code does
 def fallback(func, args, kwargs):
     """Exact but slow: gather every sharded operand, run ``func`` on full tensors, reshard the results.
 
@@ -318,9 +341,8 @@ def fallback(func, args, kwargs):
     target, full_target = (args[0], full_args[0]) if is_inplace(func) else (kwargs.get("out"), full_kwargs.get("out"))
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*full_args, **full_kwargs)
-        if isinstance(target, SpatialTensor):
-            target.copy_(target._layout.take_local(full_target))
-            return target
+    if isinstance(target, SpatialTensor):
+        return on_shard(torch.Tensor.copy_, target, target._layout.take_local(full_target))
     if isinstance(target, torch.Tensor):  # a replicated target was written whole
         return target
 

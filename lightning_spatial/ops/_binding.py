@@ -71,14 +71,16 @@ class Binding:
             if out is None:
                 raise_torch_error(self.func, args, kwargs)
             return out
-        key = (len(args), tuple(kwargs), *map(_kind, args), *map(_kind, kwargs.values()))
-        cached = self._chosen.get(key)
+        traced = torch.compiler.is_dynamo_compiling()  # a cache read in a graph is guarded: a filled one recompiles
+        key = None if traced else (len(args), tuple(kwargs), *map(_kind, args), *map(_kind, kwargs.values()))
+        cached = None if traced else self._chosen.get(key)
         if cached is not None:  # the same types as a call that matched: the type tests would pass again
             return cached.bind(args, kwargs, check=False)
         for overload in self.overloads:
             out = overload.bind(args, kwargs)
             if out is not None:
-                self._chosen[key] = overload
+                if not traced:
+                    self._chosen[key] = overload
                 return out
         raise_torch_error(self.func, args, kwargs)
         return None

@@ -129,7 +129,11 @@ def saved_as_recipe(window: torch.Tensor, source: torch.Tensor, rebuild: Callabl
     would store it twice). The rebuild runs under the backward's grad mode, so a second derivative still meets
     the halo's refusal. Outer saved-tensor hooks that only observe (``pack.observes_only``: our memory
     accounting) see every other tensor; any other outer hooks (activation checkpointing, offloading) decide what
-    is kept themselves, and the window is left to them."""
+    is kept themselves, and the window is left to them. Under ``torch.compile`` the compiler's partitioner decides
+    what backward keeps (it may recompute the window's copies; the messages are graph ops it keeps)."""
+    if torch.compiler.is_dynamo_compiling():
+        yield
+        return
     fresh = window.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if not (fresh and torch.is_grad_enabled()) or (outer is not None and not getattr(outer[0], "observes_only", 0)):

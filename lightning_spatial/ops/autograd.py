@@ -33,7 +33,7 @@ def autograd_grad(outputs, inputs, grad_outputs=None, **kwargs):
     if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
         grad_outputs = (grad_outputs,) * len(outputs) if grad_outputs is None else (grad_outputs,)
     axes = {s.axis for t in (*outputs, *inputs) if isinstance(t, SpatialTensor) for s in t.shard_layout.shards}
-    spatial = math.prod(a.size for a in axes)
+    spatial = math.prod([a.size for a in axes])
     seeds = [_seed(o, g, spatial) for o, g in zip(outputs, grad_outputs)]
     with torch._C.DisableTorchFunctionSubclass():
         grads = torch.autograd.grad(outputs, inputs, seeds, **kwargs)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from ..tensor import SpatialTensor, adopt, common_layout, fallback, is_inplace, localize, unwrap, wrap
+from ..tensor import SpatialTensor, adopt, common_layout, fallback, is_inplace, localize, on_shard, unwrap, wrap
 
 
 def _pointwise_names() -> set[str]:
@@ -147,9 +147,7 @@ def elementwise(func: Callable) -> Callable:
                     common_layout(func, args)  # raises, naming both layouts
             elif isinstance(other, torch.Tensor):
                 args = (args[0], localize(func, other, layout))
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args)
-        return _result(out, args, layout)
+        return _result(on_shard(func, *args), args, layout)
 
     def general(args, kwargs):
         if (inplace and not isinstance(args[0], SpatialTensor)) or (
@@ -160,9 +158,7 @@ def elementwise(func: Callable) -> Callable:
         args = [localize(func, a, layout) for a in args]
         if kwargs:
             kwargs = {k: localize(func, v, layout) for k, v in kwargs.items()}
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        return _result(out, args, layout)
+        return _result(on_shard(func, *args, **kwargs), args, layout)
 
     return run
 

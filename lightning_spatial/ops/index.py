@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..collectives import across, across_detached
 from ..layout import Layout
-from ..tensor import SpatialTensor, fallback, localize, unwrap, wrap
+from ..tensor import SpatialTensor, fallback, localize, on_shard, unwrap, wrap
 from ._common import layout_of, meta_check, moved_shards, negative_dim, split_shards
 
 MAX, MIN = dist.ReduceOp.MAX, dist.ReduceOp.MIN
@@ -59,8 +59,7 @@ def _scatter(func, call: tuple, input, source, dim: int, index_of, combine, inpl
     result = combine(dest.clone() if inplace else dest, src, idx, along)
     if not inplace:
         return wrap(result, layout_of(kept))
-    with torch._C.DisableTorchFunctionSubclass():
-        return input.copy_(result)
+    return on_shard(torch.Tensor.copy_, input, result)
 
 
 def _index_add(inplace: bool):
@@ -154,8 +153,7 @@ def _index_put(inplace: bool):
         total = across(torch.zeros_like(dest).index_put(tuple(idx), vals, accumulate=True), along)
         if not inplace:
             return wrap(dest + total, layout_of(kept))
-        with torch._C.DisableTorchFunctionSubclass():
-            return input.add_(total)
+        return on_shard(torch.Tensor.add_, input, total)
 
     return index_put
 

@@ -95,7 +95,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if not training and running_mean is not None:
         return adopt(F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(d - x.dim() for d in range(x.dim()) if d != 1)
-    count = math.prod(layout.global_shape(x)[d] for d in dims)
+    count = math.prod([layout.global_shape(x)[d] for d in dims])
     data_axis = _data_axis.get()
     if data_axis is not None:
         shards, count = [*shards, data_axis], count * data_axis.size

@@ -206,7 +206,7 @@ def _adaptive_avg_dim(y: torch.Tensor, s: DimShard, m: int) -> torch.Tensor:
     y, _, _, _, partial = _rows_for_bins(y, s, m)
     weights = _bin_weights(s.size, m, s.axis.size, s.axis.index, y.shape[s.dim], y.dtype, y.device)
     out = (y.movedim(s.dim, -1) @ weights.T).movedim(-1, s.dim)
-    return all_reduce(out, s.axis.group) if partial else out
+    return all_reduce(out, s.axis) if partial else out
 
 
 def _adaptive_max_dim(y: torch.Tensor, flat: torch.Tensor | None, s: DimShard, m: int):
@@ -226,7 +226,7 @@ def _adaptive_max_dim(y: torch.Tensor, flat: torch.Tensor | None, s: DimShard, m
                 where.append(flat.new_zeros(shape))
     y, flat = torch.cat(values, s.dim), (torch.cat(where, s.dim) if flat is not None else None)
     if partial:
-        reduced = all_reduce(y, s.axis.group, dist.ReduceOp.MAX)
+        reduced = all_reduce(y, s.axis, dist.ReduceOp.MAX)
         if flat is not None:  # the first maximal element in the plane's order, as torch picks
             flat = torch.where(y == reduced.detach(), flat, torch.iinfo(flat.dtype).max)
             flat = across_detached(flat, [s], dist.ReduceOp.MIN)

@@ -73,7 +73,7 @@ def _finish(out: torch.Tensor, dims, keepdim: bool, layout: Layout) -> torch.Ten
 
 def _count(layout: Layout, x: torch.Tensor, dims) -> int:
     shape = layout.global_shape(x)
-    return math.prod(shape[d] for d in dims)
+    return math.prod([shape[d] for d in dims])
 
 
 def _reduction(kind: str):

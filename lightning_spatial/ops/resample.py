@@ -26,34 +26,40 @@ _MODES = {"nearest": 1, "nearest-exact": 1, "linear": 1, "bilinear": 2, "triline
 _CUBIC_A = -0.75
 
 
-def _f32(v: float) -> float:
-    return float(torch.tensor(v, dtype=torch.float32))
+def _rounded(v: float, wide: torch.dtype) -> float:
+    return float(torch.tensor(v, dtype=wide))
 
 
-def _scale(n: int, out: int, align_corners: bool, scale_factor: float | None) -> float:
-    """torch's area_pixel_compute_scale in float32."""
+def _scale(n: int, out: int, align_corners: bool, scale_factor: float | None, wide: torch.dtype) -> float:
+    """torch's area_pixel_compute_scale in its accumulation type ``wide``."""
     if align_corners:
-        return _f32((n - 1) / (out - 1)) if out > 1 else 0.0
+        return _rounded((n - 1) / (out - 1), wide) if out > 1 else 0.0
     if scale_factor is not None and scale_factor > 0:
-        return _f32(1.0 / scale_factor)
-    return _f32(n / out)
+        return _rounded(1.0 / scale_factor, wide)
+    return _rounded(n / out, wide)
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    """What torch's upsampling kernels compute source coordinates in: double for double, else float."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @lru_cache(maxsize=256)
-def taps(mode: str, n: int, out: int, align_corners: bool, scale_factor: float | None):
-    """(source rows, weights), each ``out x k``: output row o = sum_j weight[o, j] * input[row[o, j]]."""
-    o = torch.arange(out, dtype=torch.float32)
+def taps(mode: str, n: int, out: int, align_corners: bool, scale_factor: float | None, wide=torch.float32):
+    """(source rows, weights), each ``out x k``: output row o = sum_j weight[o, j] * input[row[o, j]], with
+    coordinates computed in ``wide`` (``_accumulation`` of the input's dtype)."""
+    o = torch.arange(out, dtype=wide)
     if mode in ("nearest", "nearest-exact"):
         if mode == "nearest" and out == n:
             rows = torch.arange(out)
         elif mode == "nearest" and out == 2 * n:
             rows = torch.arange(out) // 2
         else:
-            scale = torch.tensor(_scale(n, out, False, scale_factor), dtype=torch.float32)
+            scale = torch.tensor(_scale(n, out, False, scale_factor, wide), dtype=wide)
             shifted = o if mode == "nearest" else o + 0.5
             rows = torch.floor(shifted * scale).long().clamp(max=n - 1)
-        return rows[:, None], torch.ones(out, 1)
-    scale = torch.tensor(_scale(n, out, align_corners, scale_factor), dtype=torch.float32)
+        return rows[:, None], torch.ones(out, 1, dtype=wide)
+    scale = torch.tensor(_scale(n, out, align_corners, scale_factor, wide), dtype=wide)
     real = scale * o if align_corners else scale * (o + 0.5) - 0.5
     if mode == "bicubic":
         first = torch.floor(real)
@@ -72,23 +78,23 @@ def taps(mode: str, n: int, out: int, align_corners: bool, scale_factor: float |
 
 
 @lru_cache(maxsize=256)
-def _windows(mode, n, out, align_corners, scale_factor, parts) -> tuple[tuple[int, int], ...]:
+def _windows(mode, n, out, align_corners, scale_factor, wide, parts) -> tuple[tuple[int, int], ...]:
     """Every rank's window of source rows: the rows its output rows' taps read."""
-    rows, _ = taps(mode, n, out, align_corners, scale_factor)
+    rows, _ = taps(mode, n, out, align_corners, scale_factor, wide)
     return tuple((int(rows[lo:hi].min()), int(rows[lo:hi].max()) + 1) for lo, hi in partition(out, parts))
 
 
 @lru_cache(maxsize=256)
-def _local_taps(mode, n, out, align_corners, scale_factor, parts, index, dtype, device):
+def _local_taps(mode, n, out, align_corners, scale_factor, wide, parts, index, dtype, device):
     """This rank's taps (rows relative to its window, weights) on the device, built once."""
-    rows, weights = taps(mode, n, out, align_corners, scale_factor)
+    rows, weights = taps(mode, n, out, align_corners, scale_factor, wide)
     lo, hi = partition(out, parts)[index]
-    first = _windows(mode, n, out, align_corners, scale_factor, parts)[index][0]
+    first = _windows(mode, n, out, align_corners, scale_factor, wide, parts)[index][0]
     return (rows[lo:hi] - first).to(device), weights[lo:hi].to(device=device, dtype=dtype)
 
 
 def _resample_dim(y: torch.Tensor, s: DimShard, out: int, mode: str, align_corners: bool, scale_factor):
-    key = (mode, s.size, out, align_corners, scale_factor, s.axis.size)
+    key = (mode, s.size, out, align_corners, scale_factor, _accumulation(y.dtype), s.axis.size)
     y = fetch_window(y, s, _windows(*key))
     local_rows, w = _local_taps(*key, s.axis.index, y.dtype, y.device)
     picked = y.movedim(s.dim, -1)[..., local_rows]  # (..., rows, taps)

@@ -79,7 +79,7 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
     index, weight = _shard_taps(x, layout, grid, mode, padding, align)
     out = _TapSum.apply(x, index, weight)
     for s in layout.shards:
-        out = all_reduce(out, s.axis.group)
+        out = all_reduce(out, s.axis)
     return out.view(*x.shape[:2], *grid.shape[1:-1])
 
 
@@ -96,7 +96,7 @@ def _shard_taps(x, layout, grid, mode: str, padding: str, align: bool):
     index, weight = [], []
     for combo in itertools.product(*per_dim):
         index.append(sum(row * stride for (row, _), stride in zip(combo, strides)))
-        weight.append(math.prod(w for _, w in reversed(combo)))  # the last dim's weight first, as torch multiplies
+        weight.append(math.prod([w for _, w in reversed(combo)]))  # the last dim's weight first, as torch multiplies
     return torch.stack(index, 1), torch.stack(weight, 1)
 
 

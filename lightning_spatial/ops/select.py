@@ -38,8 +38,8 @@ def select(input, k: int, dim: int, largest: bool):
         )
         index = torch.cat([index, index.new_full(pad, along[0].extent)], d)
     for s in along:
-        values = all_gather(values, pos, s.axis.group, values.shape[d] * s.axis.size)
-        index = all_gather(index, pos, s.axis.group, index.shape[d] * s.axis.size)
+        values = all_gather(values, pos, s.axis, values.shape[d] * s.axis.size)
+        index = all_gather(index, pos, s.axis, index.shape[d] * s.axis.size)
     order = index.argsort(d)  # candidates in global order, so that the stable sort keeps the lowest index first
     values, index = values.gather(d, order), index.gather(d, order)
     best = values.sort(dim=d, descending=largest, stable=True).indices.narrow(d, 0, k)

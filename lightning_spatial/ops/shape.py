@@ -33,7 +33,7 @@ def _sizes(shape) -> tuple:
 def _resolve(shape: tuple, numel: int) -> list[int]:
     shape = list(shape)
     if -1 in shape:
-        known = math.prod(d for d in shape if d != -1)
+        known = math.prod([d for d in shape if d != -1])
         shape[shape.index(-1)] = numel // known if known else 0
     return shape
 
@@ -248,6 +248,7 @@ def _registrations() -> dict:
         torch.Tensor.flatten,
         torch.unflatten,
         torch.Tensor.unflatten,
+        torch._C.TensorBase.unflatten,  # what dynamo dispatches for x.unflatten (Tensor's Python method calls it)
         torch.squeeze,
         torch.Tensor.squeeze,
         torch.unsqueeze,

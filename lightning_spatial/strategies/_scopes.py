@@ -5,8 +5,6 @@
 - ``named_modules``: module paths by ``id(module)``, so a fallback or a layout error names the layer it
   happened in (``tensor.module_names``).
 - ``naming_the_layer``: a ``LayoutError`` raised inside a module's ``forward`` says which module.
-- ``compiling_eagerly``: ``torch.compile``d code runs its original eager code (dynamo cannot trace a
-  ``SpatialTensor``), with a warning when the module is compiled.
 - ``graphed``: named submodules replay their training forward and backward as CUDA graphs (``CUDAGraphed``).
 """
 
@@ -18,8 +16,6 @@ from contextlib import contextmanager
 from types import TracebackType
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch._dynamo import OptimizedModule
 
 from ..graphs import CUDAGraphed
 from ..layout import LayoutError
@@ -75,29 +71,6 @@ def naming_the_layer() -> Iterator[None]:
         raise LayoutError(f"{error} [in module '{where[0]}' ({where[1]})]") from error
 
 
-@contextmanager
-def compiling_eagerly(root: torch.nn.Module) -> Iterator[None]:
-    """Every ``torch.compile``d function and module runs its original eager code (``force_eager``), exactly.
-
-    Dynamo cannot trace a ``SpatialTensor``, a local shard whose ``shape`` is the global one: it fakes the
-    tensor with the global sizes and fails its own guard on the shard's; told to treat the tensor as opaque, it
-    builds graphs from the global sizes but guards the shard's, so a graph would be reused for another global
-    size with the same shard (docs/design.md, "torch.compile"). Compiled modules are named in a warning; a
-    function compiled inside ``forward`` runs eagerly unannounced.
-    """
-    compiled = [f"'{name}'" for name, m in root.named_modules() if isinstance(m, OptimizedModule)]
-    if getattr(root, "_compiler_ctx", None) is not None:  # Trainer.fit(torch.compile(module)) unwrapped it
-        compiled.insert(0, "the LightningModule")
-    if compiled:
-        rank_zero_warn(
-            f"lightning_spatial: torch.compile is off under spatial_tp: {', '.join(compiled)} runs its original "
-            "eager code (exact, not faster). Dynamo cannot trace a SpatialTensor, a shard that reports the global "
-            "shape (docs/design.md, 'torch.compile')"
-        )
-    with torch.compiler.set_stance("force_eager"):
-        yield
-
-
 def _innermost_module(tb: TracebackType | None) -> tuple[str, str] | None:
     found = None
     while tb is not None:
@@ -135,4 +108,4 @@ def graphed(root: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
             setattr(parent, attr, module)
 
 
-__all__ = ["compiling_eagerly", "graphed", "metrics_sync_over", "named_modules", "naming_the_layer"]
+__all__ = ["graphed", "metrics_sync_over", "named_modules", "naming_the_layer"]

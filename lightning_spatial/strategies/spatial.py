@@ -21,7 +21,9 @@ The hooks, each small:
 - ``predict_step`` returns full tensors (sharded outputs gathered), one copy per spatial rank.
 - checkpoints: parameters and buffers are plain replicated tensors; rank 0 saves a standard checkpoint.
 - for the run (``setup`` to ``teardown``): the ``fallback`` mode, BatchNorm's data axis, module paths for
-  messages, torchmetrics' sync group, ``torch.compile`` run eagerly where activations are sharded (``_scopes``).
+  messages, torchmetrics' sync group, CUDA graphs of named submodules (``_scopes``).
+- ``torch.compile``d modules compile through the shards (``compiling``): halo exchanges and collectives are
+  graph ops.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from ..ops import norm
 from ..plan import Plan, make_plan, parse_budget
 from ..sharding import Select, ShardingCollate, describe
 from ..tensor import FallbackMode, SpatialTensor, fallback_mode, gather
-from ._scopes import compiling_eagerly, graphed, metrics_sync_over, named_modules, naming_the_layer
+from ._scopes import graphed, metrics_sync_over, named_modules, naming_the_layer
 
 
 class SpatialParallelStrategy(DDPStrategy):
@@ -214,8 +216,6 @@ class SpatialParallelStrategy(DDPStrategy):
         if self._layer_sync is not None and self.axes:  # SyncBatchNorm: our batch_norm also spans the data axis
             self._layer_sync, self._sync_batchnorm = None, True
         self._run = ExitStack()
-        if self.axes:  # nothing sharded (a plan of 1x1 tiles): compiled code compiles, as under DDP
-            self._run.enter_context(compiling_eagerly(self.lightning_module))
         self._run.enter_context(fallback_mode(self._fallback))
         self._run.enter_context(
             norm.batch_norm_over(self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None)

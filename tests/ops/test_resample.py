@@ -21,9 +21,9 @@ RESIZES = [  # (size, scale_factor, recompute_scale_factor)
 ]
 
 
-def _case(layout, mode, align_corners, size, scale_factor, recompute):
+def _case(layout, mode, align_corners, size, scale_factor, recompute, dtype=torch.float32):
     torch.manual_seed(9)
-    x = torch.randn(2, 3, 9, 23 if layout == "w3" else 12)
+    x = torch.randn(2, 3, 9, 23 if layout == "w3" else 12, dtype=dtype)
     kwargs = {"align_corners": align_corners} if align_corners is not None else {}
 
     def op(x):
@@ -50,6 +50,14 @@ def _case(layout, mode, align_corners, size, scale_factor, recompute):
 @pytest.mark.parametrize("size,scale_factor,recompute", RESIZES)
 def test_interpolate(layout, mode, align_corners, size, scale_factor, recompute):
     run_spmd(_case, LAYOUTS[layout][0], layout, mode, align_corners, size, scale_factor, recompute)
+
+
+@pytest.mark.parametrize("layout", ["w3", "2x2"])
+@pytest.mark.parametrize("mode,align", [("nearest", None), ("bilinear", False), ("bilinear", True), ("bicubic", False)])
+@pytest.mark.parametrize("size,scale_factor,recompute", [RESIZES[1], RESIZES[4]])
+def test_interpolate_in_float64_computes_coordinates_in_double(layout, mode, align, size, scale_factor, recompute):
+    """torch computes a double tensor's source coordinates in double (float32 coordinates: errors of 5e-7)."""
+    run_spmd(_case, LAYOUTS[layout][0], layout, mode, align, size, scale_factor, recompute, torch.float64)
 
 
 def _upsample_module_case(layout):
