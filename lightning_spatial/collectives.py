@@ -150,7 +150,8 @@ class _AllGather(torch.autograd.Function):
 
 @torch.library.custom_op("lightning_spatial::all_gather", mutates_args=())
 def _all_gather_op(x: torch.Tensor, dim: int, ranks: list[int], n: int) -> torch.Tensor:
-    return _gathered(x, dim, group_of(ranks), partition(n, len(ranks)))
+    out = _gathered(x, dim, group_of(ranks), partition(n, len(ranks)))
+    return out.contiguous(memory_format=_memory_format(x))  # strides as the fake's
 
 
 @_all_gather_op.register_fake

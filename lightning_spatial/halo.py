@@ -238,7 +238,7 @@ def _traced_plan(n: int, me: int, windows: list[int], mode: str) -> _Plan:
 def _window_op(
     x: torch.Tensor, dim: int, n: int, me: int, windows: list[int], mode: str, fill: float, ranks: list[int]
 ) -> torch.Tensor:
-    return _window(x, _traced_plan(n, me, windows, mode), dim, group_of(ranks), fill)
+    return _window(x, _traced_plan(n, me, windows, mode), dim, group_of(ranks), fill)  # laid out as empty_as(x)
 
 
 @_window_op.register_fake
@@ -257,7 +257,8 @@ def _window_grad_op(
     local_shape: list[int],
     ranks: list[int],
 ) -> torch.Tensor:
-    return _window_grad(grad, _traced_plan(n, me, windows, mode), dim, group_of(ranks), local_shape)
+    out = _window_grad(grad, _traced_plan(n, me, windows, mode), dim, group_of(ranks), local_shape)
+    return _laid_out_like(grad, out)  # strides as the fake's: the compiler plans its kernels by them
 
 
 @_window_grad_op.register_fake

@@ -84,6 +84,13 @@ def parse() -> argparse.Namespace:
         "our spatial step, or in it and the shard-only baseline",
     )
     p.add_argument(
+        "--compile",
+        default="none",
+        choices=["none", "ours", "both"],
+        help="torch.compile the model (inductor) in our spatial step, or in it and the shard-only baseline",
+    )
+    p.add_argument("--compile-mode", default=None, help="torch.compile's mode (default, max-autotune-no-cudagraphs)")
+    p.add_argument(
         "--fake-p2p",
         default="noop",
         choices=["noop", "backend"],
@@ -151,12 +158,15 @@ def train_step(task, model, optimizer, make_input, precision: str, device: torch
     return step
 
 
-def build(task, device, ckpt: bool, graphed: bool = False):
+def build(task, device, ckpt: bool, graphed: bool = False, compiled: bool = False, mode: str | None = None):
     torch.manual_seed(0)
     model = task.build(device, ckpt)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if compiled:
+        model = torch.compile(model, mode=mode)
     if graphed:
         model = CUDAGraphed(model, warmup=1)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, optimizer
 
 
 def free(device) -> None:
@@ -190,6 +200,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "zero_grad": args.zero_grad,
         "graphs": args.graphs,
+        "compile": args.compile,
     }
     gen = torch.Generator(device=device).manual_seed(rank)
     baseline = args.baseline != "0" and (not real or rank == 0)
@@ -200,7 +211,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         )
 
     def alone() -> tuple[float, float, float]:
-        model, opt = build(task, device, ckpt, graphed=args.graphs == "both")
+        model, opt = build(task, device, ckpt, args.graphs == "both", args.compile == "both", args.compile_mode)
         step = train_step(task, model, opt, make_input(alone_shape), precision, device, args.zero_grad)
         result = measure(step, device, args.steps, args.warmup)
         if args.profile and "shard_profile" not in row:
@@ -227,7 +238,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     if sw > 1:
         shards.append(DimShard(-1, Axis.from_group(mesh.get_group("spatial_w")), width))
     layout_obj = Layout(tuple(shards)) if shards else None
-    model, opt = build(task, device, ckpt, graphed=args.graphs != "none")
+    model, opt = build(task, device, ckpt, args.graphs != "none", args.compile != "none", args.compile_mode)
     gradients_laid_out_like_parameters(model)  # as spatial_tp does: no stride warning or gradient copy in DDP
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
@@ -254,7 +265,9 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     if baseline:  # time the baseline again after ours: the ratio uses the faster of its two runs
         row["shard_ms_after"], *_ = alone()
         row["time_ratio"] = row["ours_ms"] / min(row["shard_ms"], row["shard_ms_after"])
-        row["mem_ratio"] = row["ours_gib"] / row["shard_gib"] if device.type == "cuda" else float("nan")
+        # a replay allocates nothing (its pool is reserved at capture): graphed steps compare reserved peaks
+        peak = "reserved_gib" if args.graphs != "none" else "gib"
+        row["mem_ratio"] = row[f"ours_{peak}"] / row[f"shard_{peak}"] if device.type == "cuda" else float("nan")
     if not real:
         dist.destroy_process_group()
     return row
@@ -391,6 +404,11 @@ def setup(args) -> tuple[torch.device, bool]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
+    if args.compile != "none" and not real:
+        # One rank's compute: its gradient all-reduce is the fake backend's no-op, so nothing is lost by not
+        # splitting the compiled backward at DDP's buckets (on CPU that split met a stride mismatch in a 1x1
+        # convolution's backward, torch 2.14; docs/benchmarks.md).
+        torch._dynamo.config.optimize_ddp = False
     if not real and args.fake_p2p == "noop":
         # Nothing arrives through the fake backend anyway; skipping its send/recv calls keeps the library's
         # host time out of one rank's compute (measured on the H200: within noise, docs/benchmarks.md).
