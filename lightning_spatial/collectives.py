@@ -19,20 +19,21 @@ from torch.autograd.function import once_differentiable
 
 from .layout import Axis, group_of, partition
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+SUM, MAX, MIN = "sum", "max", "min"  # reductions by name: dynamo (torch 2.11) cannot hash a ReduceOp
+_OPS = {SUM: dist.ReduceOp.SUM, MAX: dist.ReduceOp.MAX, MIN: dist.ReduceOp.MIN}
 _NAMES = {op: name for name, op in _OPS.items()}
 
 
-def _reduced(x: torch.Tensor, group, op) -> torch.Tensor:
+def _reduced(x: torch.Tensor, group, op: str) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, op=op, group=group)
+    dist.all_reduce(out, op=_OPS[op], group=group)
     return out
 
 
-def _reduced_grad(grad: torch.Tensor, x, out, op, reduce: Callable) -> torch.Tensor:
+def _reduced_grad(grad: torch.Tensor, x, out, op: str, reduce: Callable) -> torch.Tensor:
     """The adjoint of an all-reduce whose own all-reduce of sums is ``reduce``."""
     grad = reduce(grad)
-    if op != dist.ReduceOp.SUM:
+    if op != SUM:
         # The extreme's owner(s) take the gradient (ties share it, as torch's amax does).
         hit = (x == out).to(grad.dtype)
         grad = grad * hit / reduce(hit)
@@ -41,23 +42,23 @@ def _reduced_grad(grad: torch.Tensor, x, out, op, reduce: Callable) -> torch.Ten
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group, op) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group, op: str) -> torch.Tensor:
         ctx.group, ctx.op = group, op
         out = _reduced(x, group, op)
-        if op != dist.ReduceOp.SUM:
+        if op != SUM:
             ctx.save_for_backward(x, out)
         return out
 
     @staticmethod
     @once_differentiable  # the collective carries no graph: refuse a second derivative rather than miss terms
     def backward(ctx, grad: torch.Tensor):
-        x, out = ctx.saved_tensors if ctx.op != dist.ReduceOp.SUM else (None, None)
-        return _reduced_grad(grad, x, out, ctx.op, lambda t: _reduced(t, ctx.group, dist.ReduceOp.SUM)), None, None
+        x, out = ctx.saved_tensors if ctx.op != SUM else (None, None)
+        return _reduced_grad(grad, x, out, ctx.op, lambda t: _reduced(t, ctx.group, SUM)), None, None
 
 
 @torch.library.custom_op("lightning_spatial::all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, ranks: list[int], op: str) -> torch.Tensor:
-    return _reduced(x, group_of(ranks), _OPS[op])
+    return _reduced(x, group_of(ranks), op)
 
 
 @_all_reduce_op.register_fake
@@ -67,32 +68,39 @@ def _(x, ranks, op):
 
 def _all_reduce_setup(ctx, inputs, output):
     x, ctx.ranks, ctx.op = inputs
-    ctx.save_for_backward(*((x, output) if ctx.op != "sum" else ()))
+    ctx.save_for_backward(*((x, output) if ctx.op != SUM else ()))
 
 
 def _all_reduce_backward(ctx, grad):
-    x, out = ctx.saved_tensors if ctx.op != "sum" else (None, None)
-    return _reduced_grad(grad, x, out, _OPS[ctx.op], lambda t: _all_reduce_op(t, ctx.ranks, "sum")), None, None
+    x, out = ctx.saved_tensors if ctx.op != SUM else (None, None)
+    return _reduced_grad(grad, x, out, ctx.op, lambda t: _all_reduce_op(t, ctx.ranks, SUM)), None, None
 
 
 _all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+
+
+def _op_name(op) -> str:
+    if isinstance(op, str) and op in _OPS:
+        return op
+    if isinstance(op, str) or op not in _NAMES:
+        raise ValueError(f"all_reduce supports SUM, MAX and MIN, got {op}")
+    return _NAMES[op]
 
 
 def _axis(group: Axis | dist.ProcessGroup | None) -> Axis:
     return group if isinstance(group, Axis) else Axis.from_group(group)
 
 
-def all_reduce(x: torch.Tensor, group: Axis | dist.ProcessGroup | None = None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Differentiable all-reduce over a mesh axis or process group (default: the world), SUM, MAX or MIN."""
-    if op not in _NAMES:
-        raise ValueError(f"all_reduce supports SUM, MAX and MIN, got {op}")
-    axis = _axis(group)
+def all_reduce(x: torch.Tensor, group: Axis | dist.ProcessGroup | None = None, op=SUM) -> torch.Tensor:
+    """Differentiable all-reduce over a mesh axis or process group (default: the world): ``"sum"``, ``"max"``
+    or ``"min"`` (or a ``ReduceOp`` of these, outside compiled code)."""
+    op, axis = _op_name(op), _axis(group)
     if torch.compiler.is_dynamo_compiling():
-        return _all_reduce_op(x, list(axis.ranks), _NAMES[op])
+        return _all_reduce_op(x, list(axis.ranks), op)
     return _AllReduce.apply(x, axis.group, op)
 
 
-def across(x: torch.Tensor, axes: Iterable, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def across(x: torch.Tensor, axes: Iterable, op=SUM) -> torch.Tensor:
     """Differentiable all-reduce of a partial result over several mesh axes (``Axis`` or anything with an
     ``.axis``, e.g. the ``DimShard``s of the reduced dims), one after the other for 2-D tiles."""
     for a in axes:
@@ -100,13 +108,13 @@ def across(x: torch.Tensor, axes: Iterable, op=dist.ReduceOp.SUM) -> torch.Tenso
     return x
 
 
-def across_detached(x: torch.Tensor, axes: Iterable, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def across_detached(x: torch.Tensor, axes: Iterable, op=SUM) -> torch.Tensor:
     """``across`` for values that need no gradient (a softmax shift, an index, a count): in place, no graph."""
     if torch.compiler.is_dynamo_compiling():
         return across(x.detach(), axes, op)
     x = x.detach().clone(memory_format=torch.contiguous_format)  # NCCL reduces dense row-major tensors only
     for a in axes:
-        dist.all_reduce(x, op=op, group=getattr(a, "axis", a).group)
+        dist.all_reduce(x, op=_OPS[_op_name(op)], group=getattr(a, "axis", a).group)
     return x
 
 
@@ -145,7 +153,7 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         # Reduce-scatter of the split gradients; all-reduce then slice keeps uneven shards simple.
         a, b = ctx.bounds[dist.get_rank(ctx.group)]
-        return _reduced(grad, ctx.group, dist.ReduceOp.SUM).narrow(ctx.dim, a, b - a), None, None, None
+        return _reduced(grad, ctx.group, SUM).narrow(ctx.dim, a, b - a), None, None, None
 
 
 @torch.library.custom_op("lightning_spatial::all_gather", mutates_args=())
@@ -169,7 +177,7 @@ def _all_gather_setup(ctx, inputs, output):
 
 def _all_gather_backward(ctx, grad):
     a, b = ctx.bounds[ctx.me]
-    return _all_reduce_op(grad, ctx.ranks, "sum").narrow(ctx.dim, a, b - a), None, None, None
+    return _all_reduce_op(grad, ctx.ranks, SUM).narrow(ctx.dim, a, b - a), None, None, None
 
 
 _all_gather_op.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
@@ -184,4 +192,4 @@ def all_gather(x: torch.Tensor, dim: int, group: Axis | dist.ProcessGroup | None
     return _AllGather.apply(x, dim, axis, global_size)
 
 
-__all__ = ["across", "across_detached", "all_gather", "all_reduce"]
+__all__ = ["MAX", "MIN", "SUM", "across", "across_detached", "all_gather", "all_reduce"]

@@ -60,6 +60,8 @@ class SpatialTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if torch.compiler.is_dynamo_compiling():
+            return _traced(func, args, kwargs or {})
         if (
             _building_graph()
             or (isinstance(func, _GRAPH_OPS) and func not in HANDLERS)
@@ -75,6 +77,33 @@ class SpatialTensor(torch.Tensor):
             return handler(*args, **(kwargs or {}))
         return fallback(func, args, kwargs or {})
 
+
+def _traced(func, args, kwargs):
+    """``__torch_function__`` as dynamo traces it: the handler is found outside the trace (torch 2.11's dynamo
+    cannot hash every key of ``HANDLERS``), its code is traced."""
+    if isinstance(func, _GRAPH_OPS):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    position = _position(func)
+    if position >= 0:
+        return _BY_POSITION[position](*args, **kwargs)
+    return fallback(func, args, kwargs)
+
+
+@torch._dynamo.assume_constant_result
+def _position(func: Callable) -> int:
+    return _POSITIONS.get(func, -1)
+
+
+def index_handlers() -> None:
+    """Number the handlers for traced code (``ops.install``)."""
+    _POSITIONS.clear()
+    _POSITIONS.update({func: i for i, func in enumerate(HANDLERS)})
+    _BY_POSITION[:] = HANDLERS.values()
+
+
+_POSITIONS: dict[Callable, int] = {}
+_BY_POSITION: list[Callable] = []
 
 _GRAPH_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
 _INPUT_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.as_strided_, torch.Tensor.set_})

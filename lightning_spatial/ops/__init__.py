@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..tensor import HANDLERS
+from ..tensor import HANDLERS, index_handlers
 from . import (
     attention,
     autograd,
@@ -50,6 +50,7 @@ def install() -> None:
     """Route the torch functions each family handles to its handlers for every ``SpatialTensor``."""
     for family in FAMILIES:
         HANDLERS.update(family.HANDLERS)
+    index_handlers()
 
 
 __all__ = ["FAMILIES", "install"]

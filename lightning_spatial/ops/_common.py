@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_map
 
 from ..halo import fetch_window
@@ -112,6 +113,18 @@ class Windows:
         for _, s, windows in self.dims:
             x = fetch_window(x, s, windows, mode, fill)
         return x
+
+
+def eager_backward(backward: Callable) -> Callable:
+    """An autograd Function's backward that refuses a second derivative (its messages carry no graph) and that
+    compiled code runs as it is: torch 2.11's dynamo traced BatchNorm's into wrong gradients, so there it is a
+    graph break; torch 2.14 keeps such a backward out of the graph by itself (and the Function in it)."""
+    if _DYNAMO_TRACES_ONCE_DIFFERENTIABLE:
+        backward = torch.compiler.disable(backward)
+    return once_differentiable(backward)
+
+
+_DYNAMO_TRACES_ONCE_DIFFERENTIABLE = torch.torch_version.TorchVersion(torch.__version__) < "2.14"
 
 
 class _Recipe:

@@ -25,14 +25,12 @@ import math
 import types
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
-from ..collectives import across_detached
+from ..collectives import MAX, across_detached
 from ..layout import Layout
 from ..tensor import SpatialTensor, adopt, fallback, gather, localize, unwrap, wrap
-from ._common import meta_check, moved_shards
+from ._common import eager_backward, meta_check, moved_shards
 
 
 def _along(layout: Layout | None, dim: int) -> bool:
@@ -178,7 +176,7 @@ class _ShardedKeys(torch.autograd.Function):
         mine = lse[..., :rows]
         if blind is not None:  # a row that sees none of this rank's keys must weigh nothing
             mine = mine.masked_fill(blind, -math.inf)
-        top = across_detached(mine, shards, dist.ReduceOp.MAX)
+        top = across_detached(mine, shards, MAX)
         top = top.masked_fill(torch.isneginf(top), 0)  # rows no rank sees: every weight is 0
         weight = torch.exp(mine - top).unsqueeze(-1)
         part = torch.where(weight > 0, out.to(weight.dtype) * weight, 0)
@@ -193,7 +191,7 @@ class _ShardedKeys(torch.autograd.Function):
         return merged
 
     @staticmethod
-    @once_differentiable
+    @eager_backward
     def backward(ctx, grad):
         q, k, v, bias, out, lse, *state = ctx.saved_tensors
         grad = across_detached(grad, ctx.shards).contiguous()  # the sum of the output gradient's shares

@@ -23,14 +23,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
-from ..collectives import across, across_detached
+from ..collectives import MAX, MIN, across, across_detached
 from ..layout import Layout
 from ..tensor import SpatialTensor, fallback, localize, on_shard, unwrap, wrap
 from ._common import layout_of, meta_check, moved_shards, negative_dim, split_shards
-
-MAX, MIN = dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 
 def _part(func, t, layout: Layout | None):

@@ -16,30 +16,28 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from ..collectives import across_detached
 from ..layout import Axis
 from ..tensor import adopt, localize, unwrap
 from ._binding import bound
-from ._common import spatial_shards
+from ._common import eager_backward, spatial_shards
 
-_data_axis: ContextVar[Axis | None] = ContextVar("batch_norm_data_axis", default=None)
+_DATA_AXIS: list[Axis | None] = [None]  # the innermost batch_norm_over's axis (a list: dynamo reads and guards it)
 
 
 @contextmanager
 def batch_norm_over(axis: Axis | None) -> Iterator[None]:
     """While entered, training-mode batch_norm also reduces its statistics over ``axis`` (SyncBatchNorm's
     data axis); ``None`` keeps them within the spatial group."""
-    token = _data_axis.set(axis)
+    outer, _DATA_AXIS[0] = _DATA_AXIS[0], axis
     try:
         yield
     finally:
-        _data_axis.reset(token)
+        _DATA_AXIS[0] = outer
 
 
 class _Normalize(torch.autograd.Function):
@@ -63,7 +61,7 @@ class _Normalize(torch.autograd.Function):
         return out.to(x.dtype), mean, var
 
     @staticmethod
-    @once_differentiable  # the statistics' all-reduces carry no graph
+    @eager_backward  # the statistics' all-reduces carry no graph
     def backward(ctx, grad, _mean, _var):
         x, weight, mean, invstd = ctx.saved_tensors
         xhat = (x - mean) * invstd
@@ -96,7 +94,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         return adopt(F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(d - x.dim() for d in range(x.dim()) if d != 1)
     count = math.prod([layout.global_shape(x)[d] for d in dims])
-    data_axis = _data_axis.get()
+    data_axis = _DATA_AXIS[0]
     if data_axis is not None:
         shards, count = [*shards, data_axis], count * data_axis.size
     if count <= 1:

@@ -15,10 +15,9 @@ import math
 from functools import lru_cache
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..collectives import across_detached, all_reduce
+from ..collectives import MAX, MIN, across_detached, all_reduce
 from ..halo import fetch_window
 from ..layout import DimShard, adaptive_bins, conv_window, partition, pool_out_size
 from ..tensor import adopt, unwrap
@@ -226,10 +225,10 @@ def _adaptive_max_dim(y: torch.Tensor, flat: torch.Tensor | None, s: DimShard, m
                 where.append(flat.new_zeros(shape))
     y, flat = torch.cat(values, s.dim), (torch.cat(where, s.dim) if flat is not None else None)
     if partial:
-        reduced = all_reduce(y, s.axis, dist.ReduceOp.MAX)
+        reduced = all_reduce(y, s.axis, MAX)
         if flat is not None:  # the first maximal element in the plane's order, as torch picks
             flat = torch.where(y == reduced.detach(), flat, torch.iinfo(flat.dtype).max)
-            flat = across_detached(flat, [s], dist.ReduceOp.MIN)
+            flat = across_detached(flat, [s], MIN)
         y = reduced
     return y, flat
 

@@ -12,17 +12,14 @@ import math
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..collectives import across, across_detached
+from ..collectives import MAX, MIN, across, across_detached
 from ..layout import Layout
 from ..tensor import SpatialTensor, adopt, fallback, localize, unwrap
 from ._binding import bound
 from .elementwise import elementwise
 from .select import select
-
-SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 
 def normalize_dims(dim, ndim: int) -> tuple[int, ...]:

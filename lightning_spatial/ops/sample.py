@@ -20,11 +20,10 @@ from functools import reduce
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from ..collectives import all_reduce
 from ..tensor import fallback, unwrap
-from ._common import spatial_shards
+from ._common import eager_backward, spatial_shards
 
 _MODES = ("bilinear", "nearest", "bicubic")  # torch's enum order (torch.grid_sampler's interpolation_mode)
 _PADDINGS = ("zeros", "border", "reflection")
@@ -179,7 +178,7 @@ class _TapSum(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # the all-reduce around it carries no graph either
+    @eager_backward  # the all-reduce around it carries no graph either
     def backward(ctx, grad):
         x, index, weight = ctx.saved_tensors
         flat = x.flatten(2)

@@ -14,10 +14,9 @@ import math
 from functools import lru_cache
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..collectives import across_detached
+from ..collectives import MAX, across_detached
 from ..layout import DimShard, Layout, LayoutError
 from ..tensor import SpatialTensor, adopt, fallback, localize, on_shard, unwrap
 from ._binding import bound, raise_torch_error
@@ -226,7 +225,7 @@ def one_hot(input, num_classes=-1):
     """A new trailing class dim; with ``num_classes=-1`` the class count is the *global* max + 1."""
     x, layout = unwrap(input)
     if num_classes == -1:
-        top = across_detached(x.max().reshape(1), layout.shards, dist.ReduceOp.MAX)
+        top = across_detached(x.max().reshape(1), layout.shards, MAX)
         num_classes = int(top) + 1  # torch's one_hot syncs here too
     return adopt(F.one_hot(x, num_classes), layout.moved({d: d - 1 for d in layout.dims}))
 
