@@ -164,8 +164,8 @@ def build(task, device, ckpt: bool, graphed: bool = False, compiled: bool = Fals
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if compiled:
         model = torch.compile(model, mode=mode)
-    if graphed:  # a compiled model compiles its backward at the first backward: captured only after that
-        model = CUDAGraphed(model, warmup=3 if compiled else 1)
+    if graphed:
+        model = CUDAGraphed(model, warmup=1)
     return model, optimizer
 
 
