@@ -163,6 +163,17 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     assert all(r["graphs"] == "both" and r["profile"][0]["wall"] > 0 and r["shard_profile"]["wall"] > 0 for r in rows)
 
 
+def test_compiled_benchmark_smoke_on_cpu(tmp_path):
+    """``--compile both``: inductor compiles the shard-only model and our spatial step (one rank of a fake group)."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), "--device", "cpu", "--model", "convnext_atto"]
+    cmd += ["--batch", "1", "--height", "64", "--widths", "256", "--spatial", "2", "--compile", "both"]
+    cmd += ["--steps", "1", "--warmup", "1", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert row["compile"] == "both" and row["ours_ms"] > 0 and row["shard_ms"] > 0 and row["halo_mib_per_step"] > 0
+
+
 @pytest.mark.slow
 def test_benchmark_under_torchrun(tmp_path):
     """The N-GPU path (real halos and gradient all-reduce between processes), here gloo on 2 CPU ranks."""
