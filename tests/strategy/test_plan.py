@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_spatial import Axis, SpatialDims, SpatialParallelStrategy, SpatialTensor, halo
+from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor, halo
 from lightning_spatial.callbacks import _SavedActivations
 from lightning_spatial.plan import Estimate, _zero_filled_messages, choose, layouts, parse_budget
 from tests.spmd import as_torchrun, run_spmd
@@ -270,7 +270,7 @@ def _halos_read_as_zeros():
     for inside in (False, True):
         received, pieces = torch.full((3,), float("nan")), [torch.full((2,), float("nan")) for _ in range(2)]
         with _zero_filled_messages() if inside else contextlib.nullcontext():
-            halo._p2p(Axis.from_group(fake), [], [(1, received)])
+            halo._p2p(fake, [], [(1, received)])
             torch.distributed.all_gather(pieces, torch.ones(2), group=fake)
         assert torch.equal(received, torch.zeros(3)) == inside, received  # nothing arrives
         assert torch.equal(torch.stack(pieces), torch.ones(2, 2))  # the fake all-gather copies this rank's piece
