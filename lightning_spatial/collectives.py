@@ -80,11 +80,10 @@ _all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce
 
 
 def _op_name(op) -> str:
-    if isinstance(op, str) and op in _OPS:
-        return op
-    if isinstance(op, str) or op not in _NAMES:
+    name = op if isinstance(op, str) else _NAMES.get(op)
+    if name not in _OPS:
         raise ValueError(f"all_reduce supports SUM, MAX and MIN, got {op}")
-    return _NAMES[op]
+    return name
 
 
 def _axis(group: Axis | dist.ProcessGroup | None) -> Axis:
@@ -113,8 +112,9 @@ def across_detached(x: torch.Tensor, axes: Iterable, op=SUM) -> torch.Tensor:
     if torch.compiler.is_dynamo_compiling():
         return across(x.detach(), axes, op)
     x = x.detach().clone(memory_format=torch.contiguous_format)  # NCCL reduces dense row-major tensors only
+    reduce_op = _OPS[_op_name(op)]
     for a in axes:
-        dist.all_reduce(x, op=_OPS[_op_name(op)], group=getattr(a, "axis", a).group)
+        dist.all_reduce(x, op=reduce_op, group=getattr(a, "axis", a).group)
     return x
 
 

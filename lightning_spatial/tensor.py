@@ -9,7 +9,8 @@ sharded, over which process group, with which global sizes (``layout.Layout``).
 Every torch function called on it goes through ``__torch_function__``: a handler registered in ``HANDLERS``
 (filled by ``ops.install()``: spatial ops, element-wise ops, metadata queries), or else the exact fallback:
 gather, run, reshard, announced by a ``SpatialFallbackWarning`` (or an error, or nothing: ``fallback_mode``).
-While dynamo compiles, it raises instead: ``torch.compile`` cannot trace a shard that reports the global shape.
+Under ``torch.compile`` dynamo traces the handlers themselves (``_traced``; docs/design.md, "torch.compile through
+shards").
 """
 
 from __future__ import annotations
@@ -111,9 +112,10 @@ _AOT_RUNTIME = os.path.dirname(torch._functorch.__file__)
 
 
 def _building_graph() -> bool:
-    """Dynamo runs code of its own on a shard (not code it traces, where ``is_dynamo_compiling()`` holds): torch 2.14
-    calls us then with ``is_compiling()`` true, torch 2.11 with it false but inside its tracing context."""
-    return (is_compiling() or TracingContext.try_get() is not None) and not torch.compiler.is_dynamo_compiling()
+    """Outside traced code (``__torch_function__`` has returned there already): dynamo runs code of its own on a
+    shard. torch 2.14 calls us then with ``is_compiling()`` true, torch 2.11 with it false but inside its tracing
+    context."""
+    return is_compiling() or TracingContext.try_get() is not None
 
 
 def _rebuild(rebuild: Callable, args: tuple, layout: Layout) -> SpatialTensor:
