@@ -5,6 +5,7 @@ collate hook), any strategy. Compares strategies on the same model and global ba
     horovodrun -np 2 -H localhost:2 python recipes/bench_trainer.py --strategy horovod --model convnext_large --batch 2
     torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --model convnext_large --batch 4
     torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --cuda-graphs backbone ...
+    torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --compile ...
     python recipes/bench_trainer.py --strategy single --model petr --batch 1 --height 512 --width 1408
 
 ``--batch`` is per process for data parallel strategies and per spatial group for ``spatial_tp`` (every rank of
@@ -41,6 +42,8 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--cuda-graphs", default="", help="spatial_tp: submodules replayed as CUDA graphs, comma list (backbone)"
     )
+    p.add_argument("--compile", action="store_true", help="Trainer.fit(torch.compile(module)), inductor")
+    p.add_argument("--compile-mode", default=None, help="torch.compile's mode (default, max-autotune-no-cudagraphs)")
     p.add_argument("--compression", default="none", help="horovod: none | fp16")
     p.add_argument("--fusion-mb", type=float, default=None, help="horovod: tensor fusion buffer (MiB)")
     p.add_argument("--cycle-ms", type=float, default=None, help="horovod: cycle time (ms)")
@@ -164,7 +167,7 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[timer],
     )
-    trainer.fit(model, loader)
+    trainer.fit(torch.compile(model, mode=args.compile_mode) if args.compile else model, loader)
     device = trainer.strategy.root_device
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     row = {
@@ -173,6 +176,7 @@ def main() -> None:
         "step_ms": statistics.median(timer.times),
         "step_ms_range": [round(min(timer.times), 1), round(max(timer.times), 1)],
         "peak_gib_rank0": round(peak, 2),
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # rank 0's, 0 when eager
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),  # torchrun sets OMP_NUM_THREADS=1 for its processes, horovodrun does not

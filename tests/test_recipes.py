@@ -201,9 +201,10 @@ def test_petr_benchmark_smoke_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["spatial_tp", "ddp"])
-def test_trainer_benchmark_under_torchrun(strategy, tmp_path):
-    """Step time through the Trainer (module, DataLoader, collate hook) on 2 gloo ranks; no timing is asserted."""
+@pytest.mark.parametrize("strategy, compiled", [("spatial_tp", False), ("spatial_tp", True), ("ddp", False)])
+def test_trainer_benchmark_under_torchrun(strategy, compiled, tmp_path):
+    """Step time through the Trainer (module, DataLoader, collate hook) on 2 gloo ranks, eager or compiled
+    (inductor); no timing is asserted."""
     args = [
         "--accelerator",
         "cpu",
@@ -217,11 +218,15 @@ def test_trainer_benchmark_under_torchrun(strategy, tmp_path):
         "64",
     ]
     profile = ["--profile"] if strategy == "ddp" else []
-    graphs = ["--cuda-graphs", "backbone"] if strategy == "spatial_tp" else []  # eager on CPU
-    torchrun_2("bench_trainer.py", *args, *profile, *graphs, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+    graphs = ["--cuda-graphs", "backbone"] if strategy == "spatial_tp" and not compiled else []  # eager on CPU
+    compile_ = ["--compile"] if compiled else []
+    torchrun_2(
+        "bench_trainer.py", *args, *profile, *graphs, *compile_, "--steps", "2", "--warmup", "1", "--out", str(tmp_path)
+    )
     (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
-    assert row["world"] == 2 and row["strategy"] == strategy and row["step_ms"] > 0
-    assert row["cuda_graphs"] == ("" if strategy == "ddp" else "backbone")
+    assert row["world"] == 2 and row["strategy"] == strategy and row["step_ms"] > 0 and row["compile"] == compiled
+    assert (row["compiled_graphs"] > 0) == compiled
+    assert row["cuda_graphs"] == ("" if strategy == "ddp" or compiled else "backbone")
     assert row["step_ms_range"][0] <= row["step_ms"] <= row["step_ms_range"][1]
     assert row["threads"] == 1  # torchrun's OMP_NUM_THREADS=1
     profiles = list(tmp_path.glob("profile_*.txt"))
