@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .layout import Axis, group_of, partition
+from .layout import Axis, communicates, group_of, partition
 
 SUM, MAX, MIN = "sum", "max", "min"  # reductions by name: dynamo (torch 2.11) cannot hash a ReduceOp
 _OPS = {SUM: dist.ReduceOp.SUM, MAX: dist.ReduceOp.MAX, MIN: dist.ReduceOp.MIN}
@@ -77,6 +77,7 @@ def _all_reduce_backward(ctx, grad):
 
 
 _all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+communicates("lightning_spatial::all_reduce")
 
 
 def _op_name(op) -> str:
@@ -181,6 +182,7 @@ def _all_gather_backward(ctx, grad):
 
 
 _all_gather_op.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
+communicates("lightning_spatial::all_gather")
 
 
 def all_gather(x: torch.Tensor, dim: int, group: Axis | dist.ProcessGroup | None, global_size: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .layout import DimShard, group_of, partition, source_index
+from .layout import DimShard, communicates, group_of, partition, source_index
 
 # A selection along the dim: a ``range`` for a contiguous run (narrow), else a tuple of indices.
 Selection = range | tuple[int, ...]
@@ -224,63 +224,85 @@ class _FetchWindow(torch.autograd.Function):
         return _window_grad(grad, ctx.plan, ctx.dim, ctx.group, ctx.local_shape), None, None, None, None
 
 
-# The window as graph ops for torch.compile: dynamo records these custom ops (their Python runs at every call, the
-# messages included) instead of tracing process groups. A shard is named by plain values: the plan's arguments
-# (cached by ``_plan``) and the axis's global ranks (its process group is looked up in this process).
+# The window under torch.compile: its copies are traced as tensor ops (the compiler fuses them, and its autograd
+# derives their adjoint), only the messages are an opaque op, ``exchange``, whose adjoint is the reverse exchange.
+# A shard's axis is named by its global ranks (its process group is looked up in this process).
 
 
-def _traced_plan(n: int, me: int, windows: list[int], mode: str) -> _Plan:
-    pairs = tuple(zip(windows[::2], windows[1::2]))
-    return _plan(n, len(pairs), me, pairs, mode)
-
-
-@torch.library.custom_op("lightning_spatial::window", mutates_args=())
-def _window_op(
-    x: torch.Tensor, dim: int, n: int, me: int, windows: list[int], mode: str, fill: float, ranks: list[int]
-) -> torch.Tensor:
-    return _window(x, _traced_plan(n, me, windows, mode), dim, group_of(ranks), fill)  # laid out as empty_as(x)
-
-
-@_window_op.register_fake
-def _(x, dim, n, me, windows, mode, fill, ranks):
-    return empty_as(x, _shape(x, dim, _traced_plan(n, me, windows, mode).length))
-
-
-@torch.library.custom_op("lightning_spatial::window_grad", mutates_args=())
-def _window_grad_op(
-    grad: torch.Tensor,
+@torch.library.custom_op("lightning_spatial::exchange", mutates_args=())
+def _exchange(
+    like: torch.Tensor,
+    sends: list[torch.Tensor],
     dim: int,
-    n: int,
-    me: int,
-    windows: list[int],
-    mode: str,
-    local_shape: list[int],
+    send_to: list[int],
+    recv_from: list[int],
+    counts: list[int],
     ranks: list[int],
-) -> torch.Tensor:
-    out = _window_grad(grad, _traced_plan(n, me, windows, mode), dim, group_of(ranks), local_shape)
-    return _laid_out_like(grad, out)  # strides as the fake's: the compiler plans its kernels by them
+) -> list[torch.Tensor]:
+    """``sends[k]`` to the rank at index ``send_to[k]`` of the axis; ``counts[k]`` rows of ``like``'s shape (along
+    ``dim``), contiguous, from ``recv_from[k]``; and last a receipt, ``like`` with no rows: joined into the window,
+    it makes the exchange part of the graph where nothing arrives, so that its backward (the reverse exchange) runs
+    on every rank."""
+    outgoing = [(j, t.contiguous()) for j, t in zip(send_to, sends)]
+    incoming = [(j, like.new_empty(_shape(like, dim, c))) for j, c in zip(recv_from, counts)]
+    _count_sent(outgoing)
+    _p2p(group_of(ranks), outgoing, incoming)
+    return [t for _, t in incoming] + [like.new_empty(_shape(like, dim, 0))]
 
 
-@_window_grad_op.register_fake
-def _(grad, dim, n, me, windows, mode, local_shape, ranks):
-    return empty_as(grad, list(local_shape))
+@_exchange.register_fake
+def _(like, sends, dim, send_to, recv_from, counts, ranks):
+    return [like.new_empty(_shape(like, dim, c)) for c in [*counts, 0]]
 
 
-def _window_setup(ctx, inputs, output):
-    x, dim, n, me, windows, mode, _, ranks = inputs
-    ctx.args = dim, n, me, windows, mode, list(x.shape), ranks
+def _exchange_setup(ctx, inputs, output):
+    _, sends, dim, send_to, recv_from, _, ranks = inputs
+    ctx.args = dim, recv_from, send_to, [t.shape[dim] for t in sends], ranks
+    ctx.empty = [isinstance(a, list) and not a for a in inputs]  # autograd matches empty lists' structure
 
 
-def _window_backward(ctx, grad):
-    return _window_grad_op(grad, *ctx.args), None, None, None, None, None, None, None
+def _exchange_backward(ctx, grads):
+    *arrived, receipt = grads  # the receipt's gradient, no rows, gives the dtype, device and other sizes
+    out = [[] if empty else None for empty in ctx.empty]
+    out[1] = _exchange(receipt, arrived, *ctx.args)[:-1]
+    return tuple(out)
 
 
-_window_op.register_autograd(_window_backward, setup_context=_window_setup)
+_exchange.register_autograd(_exchange_backward, setup_context=_exchange_setup)
+communicates("lightning_spatial::exchange")
+
+
+def _traced_window(x: torch.Tensor, plan: _Plan, dim: int, ranks: list[int], fill: float) -> torch.Tensor:
+    """``_window`` as tensor ops around one ``exchange``: one ``cat`` of the window's runs (local rows, received
+    rows, padding) in order, or where positions are scattered (reflect padding), one ``index_select`` from them."""
+    sends = [_select(x, dim, rows).contiguous() for _, rows in plan.sends]  # messages travel contiguous
+    *recvs, receipt = _exchange(
+        x, sends, dim, [j for j, _ in plan.sends], [j for j, *_ in plan.recvs], [c for *_, c in plan.recvs], ranks
+    )
+    runs = [(plan.local[0], _select(x, dim, plan.local[1]))] if plan.local is not None else []
+    runs += [(pos, buf) for (_, pos, _), buf in zip(plan.recvs, recvs)]
+    if plan.fill is not None:
+        runs.append((plan.fill, x.new_full(_shape(x, dim, _count(plan.fill)), fill)))
+    if all(isinstance(pos, range) for pos, _ in runs):  # runs tile the window: join them in order
+        return torch.cat([t for _, t in sorted(runs, key=lambda run: run[0].start)] + [receipt], dim)
+    order, offset = [0] * plan.length, 0
+    for positions, source in runs:
+        for i, pos in enumerate(positions):
+            order[pos] = offset + i
+        offset += source.shape[dim]
+    return torch.cat([t for _, t in runs] + [receipt], dim).index_select(dim, _index(tuple(order), x.device))
+
+
+def _index(sel: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Index tensors built once per plan and device: no host-to-device copy (a sync) in the step. A compiled
+    graph holds its own as a constant."""
+    if torch.compiler.is_dynamo_compiling():
+        return torch.tensor(sel, dtype=torch.long, device=device)
+    return _cached_index(sel, device)
 
 
 @lru_cache(maxsize=4096)
-def _index(sel: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Index tensors built once per plan and device: no host-to-device copy (a sync) in the step."""
+def _cached_index(sel: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(sel, dtype=torch.long, device=device)
 
 
@@ -325,8 +347,7 @@ def fetch_window(
     if plan.view is not None:
         return _select(x, shard.dim, plan.view)
     if torch.compiler.is_dynamo_compiling():
-        flat = [i for w in windows for i in w]
-        return _window_op(x, shard.dim, shard.size, shard.axis.index, flat, mode, fill, list(shard.axis.ranks))
+        return _traced_window(x, plan, shard.dim, list(shard.axis.ranks), fill)
     if not (x.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the autograd Function's cost
         return _window(x, plan, shard.dim, shard.axis.group, fill)
     return _FetchWindow.apply(x, plan, shard.dim, shard, fill)

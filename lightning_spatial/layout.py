@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._library.effects import EffectType
 
 
 class LayoutError(ValueError):
@@ -41,6 +42,14 @@ def group_of(ranks: Sequence[int]) -> dist.ProcessGroup:
         raise RuntimeError(
             f"no process group for ranks {tuple(ranks)} in this process; build it with Axis.from_group"
         ) from None
+
+
+def communicates(op: str) -> None:
+    """Mark a custom op that exchanges messages as an ordered effect under torch.compile: every rank's graph runs
+    such ops in the order it traced them (the same on every rank), even where a rank's graph differs (an edge rank
+    only sends, a corner has no neighbour on one side) and an op's result is unused there; the compiler may then
+    neither drop nor merge them, nor reorder them against each other (two ranks waiting in different ops hang)."""
+    torch.library._register_effectful_op(op, EffectType.ORDERED)
 
 
 @dataclass(frozen=True)

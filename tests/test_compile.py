@@ -64,7 +64,7 @@ def _compiled_case(layout, name, backend):
             modules=(model, ours),
         )
     assert len(_graphs) == 1, f"{len(_graphs)} graphs: one whole graph expected, compiled once"
-    assert "lightning_spatial.window.default" in _ops(_graphs[0]), _ops(_graphs[0])  # halos are graph ops
+    assert "lightning_spatial.exchange.default" in _ops(_graphs[0]), _ops(_graphs[0])  # halos are graph ops
 
 
 @pytest.mark.parametrize(

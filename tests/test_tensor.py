@@ -43,15 +43,17 @@ def test_shard_gather_round_trip(layout):
     run_spmd(_round_trip, LAYOUTS[layout][0], layout)
 
 
-def _window_case(n, windows, mode):
-    """Every rank asks for an arbitrary window; compare with indexing the full tensor, and the adjoint."""
+def _window_case(n, windows, mode, compiled):
+    """Every rank asks for an arbitrary window; compare with indexing the full tensor, and the adjoint. Compiled,
+    the window is traced (copies as tensor ops around the ``exchange`` op) and must be the same."""
     torch.manual_seed(1)
     axis = Axis.from_group()
     full = torch.randn(2, n, dtype=torch.float64)
     upstream = torch.randn(len(windows), 2, max(b - a for a, b in windows), dtype=torch.float64)
     x = shard(full, {-1: axis})
     local = x.to_local().clone().requires_grad_()
-    out = fetch_window(local, x.shard_layout.shards[0], windows, mode)
+    fetch = lambda t: fetch_window(t, x.shard_layout.shards[0], windows, mode)  # noqa: E731
+    out = (torch.compile(fetch, backend="aot_eager", fullgraph=True) if compiled else fetch)(local)
     a, b = windows[axis.index]
     rows = [source_index(p, n, mode) for p in range(a, b)]
     expected = torch.stack([full[:, i] if i >= 0 else torch.zeros(2, dtype=full.dtype) for i in rows], -1)
@@ -74,10 +76,12 @@ def _window_case(n, windows, mode):
         (7, [(-3, 4), (-1, 6), (2, 10)], "circular"),  # shards of 3, 2, 2: data from two ranks away
         (7, [(4, 7), (0, 2), (-2, 1)], "replicate"),  # windows far from the rank's own rows
         (9, [(0, 3), (3, 6), (6, 9)], "zeros"),  # exactly the own rows: a view, no messages
+        (6, [(0, 4), (3, 6)], "zeros"),  # rank 1 only sends, and receives only the gradient of what it sent
     ],
 )
-def test_fetch_window(n, windows, mode):
-    run_spmd(_window_case, len(windows), n, windows, mode)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fetch_window(n, windows, mode, compiled):
+    run_spmd(_window_case, len(windows), n, windows, mode, compiled)
 
 
 def _elementwise_case(layout):

@@ -235,6 +235,10 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        # A compiled module's graph is not split at DDP's buckets: AOT autograd fails on the split pieces when they
+        # hold our messages (ordered effects; torch 2.14, docs/design.md). Gradients are then reduced after the
+        # compiled backward rather than during it.
+        torch._dynamo.config.optimize_ddp = False
         gradients_laid_out_like_parameters(self.model)
         super().configure_ddp()
         state, hook, wrapper = self._user_comm_hook
