@@ -52,7 +52,10 @@ def _window_case(n, windows, mode, compiled):
     upstream = torch.randn(len(windows), 2, max(b - a for a, b in windows), dtype=torch.float64)
     x = shard(full, {-1: axis})
     local = x.to_local().clone().requires_grad_()
-    fetch = lambda t: fetch_window(t, x.shard_layout.shards[0], windows, mode)  # noqa: E731
+
+    def fetch(t):
+        return fetch_window(t, x.shard_layout.shards[0], windows, mode)
+
     out = (torch.compile(fetch, backend="aot_eager", fullgraph=True) if compiled else fetch)(local)
     a, b = windows[axis.index]
     rows = [source_index(p, n, mode) for p in range(a, b)]
