@@ -32,7 +32,7 @@ class _Plan:
     recvs: tuple[tuple[int, Selection, int], ...]  # (peer index, window positions, count)
     sends: tuple[tuple[int, Selection], ...]  # (peer index, local rows)
     fill: Selection | None  # window positions that read the fill value (padding)
-    pieces: tuple[range | int, ...] | None = None  # the window in order, when runs tile it: local rows or a recv
+    pieces: tuple[range | int | None, ...] | None = None  # the window in order when runs tile it (``_in_order``)
 
 
 def _selection(values: list[int]) -> Selection:
@@ -73,13 +73,15 @@ def _plan(n: int, parts: int, me: int, windows: tuple[tuple[int, int], ...], mod
     return _Plan(b - a, None, local, recvs, tuple(sends), fill, _in_order(b - a, local, recvs, fill))
 
 
-def _in_order(length: int, local, recvs, fill) -> tuple[range | int, ...] | None:
-    """The window as consecutive runs (local rows, or the k-th received buffer), to be joined by one ``cat``;
-    ``None`` when positions are scattered or padded."""
+def _in_order(length: int, local, recvs, fill) -> tuple[range | int | None, ...] | None:
+    """The window as consecutive runs, to be joined by one ``cat``: local rows (a ``range``), the k-th received
+    buffer (``k``), the padding (``None``: ``fill`` positions); ``None`` when positions are scattered."""
     runs = [(pos, k) for k, (_, pos, _) in enumerate(recvs)]  # (window positions, source)
     if local is not None:
         runs.append(local)
-    if fill is not None or not all(isinstance(pos, range) and not isinstance(src, tuple) for pos, src in runs):
+    if fill is not None:
+        runs.append((fill, None))
+    if not all(isinstance(pos, range) and not isinstance(src, tuple) for pos, src in runs):
         return None
     runs.sort(key=lambda run: run[0].start)
     if [pos.start for pos, _ in runs] != [0, *(pos.stop for pos, _ in runs[:-1])] or runs[-1][0].stop != length:
@@ -179,18 +181,24 @@ def _window(x: torch.Tensor, plan: _Plan, dim: int, group, fill: float) -> torch
     _p2p(group, sends, recvs)
     out = empty_as(x, _shape(x, dim, plan.length))
     if plan.pieces is not None:  # one copy kernel for the whole window
-        parts = [_select(x, dim, p) if isinstance(p, range) else _laid_out_like(out, recvs[p][1]) for p in plan.pieces]
-        _cat(parts, dim, out)
+        _cat([_piece(x, dim, p, recvs, plan.fill, fill, out) for p in plan.pieces], dim, out)
         return out
-    if isinstance(plan.fill, range):  # only the padding positions get the fill value
-        _select(out, dim, plan.fill).fill_(fill)
-    elif plan.fill is not None:
+    if plan.fill is not None:
         out.index_fill_(dim, _index(plan.fill, out.device), fill)
     if plan.local is not None:
         _put(out, dim, plan.local[0], _select(x, dim, plan.local[1]))
     for (_, pos, _), (_, buf) in zip(plan.recvs, recvs):
         _put(out, dim, pos, buf)
     return out
+
+
+def _piece(x, dim, piece, recvs, positions, fill, like) -> torch.Tensor:
+    """One run of a window (``_Plan.pieces``), laid out like the window ``like``."""
+    if isinstance(piece, range):
+        return _select(x, dim, piece)
+    if piece is None:
+        return empty_as(like, _shape(x, dim, _count(positions))).fill_(fill)
+    return _laid_out_like(like, recvs[piece][1])
 
 
 def _window_grad(grad: torch.Tensor, plan: _Plan, dim: int, group, local_shape) -> torch.Tensor:
@@ -279,12 +287,16 @@ def _traced_window(x: torch.Tensor, plan: _Plan, dim: int, ranks: list[int], fil
     *recvs, receipt = _exchange(
         x, sends, dim, [j for j, _ in plan.sends], [j for j, *_ in plan.recvs], [c for *_, c in plan.recvs], ranks
     )
+    padding = x.new_full(_shape(x, dim, _count(plan.fill)), fill) if plan.fill is not None else None
+    if plan.pieces is not None:
+        parts = [
+            _select(x, dim, p) if isinstance(p, range) else padding if p is None else recvs[p] for p in plan.pieces
+        ]
+        return torch.cat([*parts, receipt], dim)
     runs = [(plan.local[0], _select(x, dim, plan.local[1]))] if plan.local is not None else []
     runs += [(pos, buf) for (_, pos, _), buf in zip(plan.recvs, recvs)]
-    if plan.fill is not None:
-        runs.append((plan.fill, x.new_full(_shape(x, dim, _count(plan.fill)), fill)))
-    if all(isinstance(pos, range) for pos, _ in runs):  # runs tile the window: join them in order
-        return torch.cat([t for _, t in sorted(runs, key=lambda run: run[0].start)] + [receipt], dim)
+    if padding is not None:
+        runs.append((plan.fill, padding))
     order, offset = [0] * plan.length, 0
     for positions, source in runs:
         for i, pos in enumerate(positions):

@@ -24,8 +24,8 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
 import torch
-from torch._guards import TracingContext
-from torch.compiler import is_compiling
+import torch.compiler as _compiler
+from torch._guards import _TLS as _TRACING
 from torch.multiprocessing.reductions import reduce_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -63,20 +63,17 @@ class SpatialTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if torch.compiler.is_dynamo_compiling():
             return _traced(func, args, kwargs or {})
-        if (
-            _building_graph()
-            or (isinstance(func, _GRAPH_OPS) and func not in HANDLERS)
-            or (func in _INPUT_WRITES and sys._getframe(1).f_code.co_filename.startswith(_AOT_RUNTIME))
-        ):
-            # dynamo's own reads of a shard while it builds a graph (fake tensors, guards); the ``torch.ops`` a
-            # compiled graph runs (dynamo traced them from our handlers, on the shards); aot_autograd writing the
-            # graph's local results into a shard it was given (an input mutated in place)
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        handler = HANDLERS.get(func)
-        if handler is not None:
-            return handler(*args, **(kwargs or {}))
-        return fallback(func, args, kwargs or {})
+        if not _building_graph():  # eager code: the path every op of an uncompiled step takes, checked first
+            handler = HANDLERS.get(func)
+            if handler is not None and (func not in _INPUT_WRITES or not _written_by_compiled_graph()):
+                return handler(*args, **kwargs) if kwargs else handler(*args)
+            if handler is None and not isinstance(func, _GRAPH_OPS):
+                return fallback(func, args, kwargs or {})
+        # dynamo's own reads of a shard while it builds a graph (fake tensors, guards); the ``torch.ops`` a
+        # compiled graph runs (dynamo traced them from our handlers, on the shards); aot_autograd writing the
+        # graph's local results into a shard it was given (an input mutated in place)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 def _traced(func, args, kwargs):
@@ -114,8 +111,13 @@ _AOT_RUNTIME = os.path.dirname(torch._functorch.__file__)
 def _building_graph() -> bool:
     """Outside traced code (``__torch_function__`` has returned there already): dynamo runs code of its own on a
     shard. torch 2.14 calls us then with ``is_compiling()`` true, torch 2.11 with it false but inside its tracing
-    context."""
-    return is_compiling() or TracingContext.try_get() is not None
+    context. (The flags are read directly: this runs for every op of eager code.)"""
+    return _compiler._is_compiling_flag or getattr(_TRACING, "tracing_context", None) is not None
+
+
+def _written_by_compiled_graph() -> bool:
+    """aot_autograd's runtime copies a compiled graph's result into a shard it mutated in place."""
+    return sys._getframe(2).f_code.co_filename.startswith(_AOT_RUNTIME)
 
 
 def _rebuild(rebuild: Callable, args: tuple, layout: Layout) -> SpatialTensor:

@@ -62,28 +62,53 @@ class Binding:
         self.func = func
         self.overloads = _overloads(func)
         self._chosen: dict[tuple, _Overload] = {}  # call shape (count, keywords, types) -> overload
+        self._passed: dict[tuple, dict[str, Any] | None] = {}  # call shape -> ``passing``'s answer
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         """The arguments by name; ``None`` if torch accepts a call no overload here matches (then only the
         exact fallback is safe). A call torch rejects raises torch's error."""
+        return self._match(args, kwargs)[1]
+
+    def passing(self, args: tuple, kwargs: dict, names: tuple[str, ...]) -> dict[str, Any] | None:
+        """The defaults to add to the call as it is, so that a function with parameters ``names`` receives
+        exactly the bound arguments; ``None`` where the call must be bound (torch's and the function's names
+        differ, a numpy alias, ``out=``, or under dynamo). Decided once per call shape: the common path of every
+        bound handler, without building the arguments by name at each call."""
+        if torch.compiler.is_dynamo_compiling():
+            return None
+        key = _shape_of(args, kwargs)
+        try:
+            return self._passed[key]
+        except KeyError:
+            pass
+        overload, arguments = self._match(args, kwargs)  # raises a call torch rejects
+        passed = None
+        if arguments is not None and names[: len(args)] == overload.names[: len(args)]:
+            rest = [n for n in overload.names[len(args) :] if n not in kwargs and n != "out"]
+            if all(k in names and k != "out" for k in kwargs) and all(n in names for n in rest):
+                passed = {n: arguments[n] for n in rest}
+        self._passed[key] = passed
+        return passed
+
+    def _match(self, args: tuple, kwargs: dict) -> tuple[_Overload | None, dict[str, Any] | None]:
         if not self.overloads[0].checks:  # a Python function: one signature, no types to tell overloads apart
             out = self.overloads[0].bind(args, kwargs)
             if out is None:
                 raise_torch_error(self.func, args, kwargs)
-            return out
+            return self.overloads[0], out
         traced = torch.compiler.is_dynamo_compiling()  # a cache read in a graph is guarded: a filled one recompiles
-        key = None if traced else (len(args), tuple(kwargs), *map(_kind, args), *map(_kind, kwargs.values()))
+        key = None if traced else _shape_of(args, kwargs)
         cached = None if traced else self._chosen.get(key)
         if cached is not None:  # the same types as a call that matched: the type tests would pass again
-            return cached.bind(args, kwargs, check=False)
+            return cached, cached.bind(args, kwargs, check=False)
         for overload in self.overloads:
             out = overload.bind(args, kwargs)
             if out is not None:
                 if not traced:
                     self._chosen[key] = overload
-                return out
+                return overload, out
         raise_torch_error(self.func, args, kwargs)
-        return None
+        return None, None
 
 
 def bound(impl: Callable, *funcs: Callable) -> dict[Callable, Callable]:
@@ -93,8 +118,12 @@ def bound(impl: Callable, *funcs: Callable) -> dict[Callable, Callable]:
 
 def _handler(func: Callable, impl: Callable) -> Callable:
     binding = Binding(func)
+    names = tuple(inspect.signature(impl).parameters)
 
     def handler(*args, **kwargs):
+        passed = binding.passing(args, kwargs, names)
+        if passed is not None:
+            return impl(*args, **kwargs, **passed)
         arguments = binding.bind(args, kwargs)
         if arguments is None:
             return fallback(func, args, kwargs)
@@ -152,9 +181,14 @@ def _from_schema(schema) -> _Overload:
     args = schema.arguments
     names = tuple("input" if a.name == "self" else a.name for a in args)
     positional = sum(1 for a in args if not a.kwarg_only)
-    defaults = {n: a.default_value for n, a in zip(names, args) if a.has_default_value()}
+    defaults = {n: _frozen(a.default_value) for n, a in zip(names, args) if a.has_default_value()}
     checks = {n: _check(a.real_type, a.N) for n, a in zip(names, args)}
     return _Overload(names, positional, defaults, checks)
+
+
+def _frozen(default: Any) -> Any:
+    """A schema's list default (``stride=[1, 1]``) as a tuple: hashable, so plans can be keyed by it."""
+    return tuple(default) if isinstance(default, list) else default
 
 
 def _is_int(v) -> bool:
@@ -184,6 +218,12 @@ _SCALARS: dict[str, Callable[[Any], bool]] = {
     "StringType": lambda v: isinstance(v, str),
     "ScalarTypeType": lambda v: isinstance(v, torch.dtype),
 }
+
+
+def _shape_of(args: tuple, kwargs: dict) -> tuple:
+    """What decides the overload and the binding of a call: the count of positional arguments, the keywords, and
+    the kinds of values."""
+    return (len(args), tuple(kwargs), *map(_kind, args), *map(_kind, kwargs.values()))
 
 
 def _kind(v) -> Any:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -78,6 +79,28 @@ def output_rows(shard: DimShard, out_size: int) -> tuple[int, int]:
 def local_padding(padding: Sequence[int], shards: dict[int, DimShard]) -> list[int]:
     """The padding the local op applies: none along sharded dims, whose fetched windows already hold it."""
     return [0 if i in shards else p for i, p in enumerate(padding)]
+
+
+class AsGiven(dict):
+    """An op's plans by its arguments as the caller gave them (``stride=1`` and ``stride=(1, 1)`` apart): a call
+    like an earlier one skips normalising them and the checks they passed. Not read under dynamo (a graph would
+    guard on the table and recompile whenever it grew) or for unhashable arguments (lists)."""
+
+    def find(self, given: tuple) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            return None
+        try:
+            return self.get(given)
+        except TypeError:
+            return None
+
+    def keep(self, given: tuple, plan: Any) -> Any:
+        if not torch.compiler.is_dynamo_compiling() and len(self) < 1024:
+            try:
+                self[given] = plan
+            except TypeError:
+                pass
+        return plan
 
 
 @dataclass(frozen=True)

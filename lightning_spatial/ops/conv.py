@@ -16,6 +16,7 @@ from ..layout import Layout, conv_out_size, conv_window, transposed_window
 from ..tensor import adopt, unwrap
 from ._binding import bound
 from ._common import (
+    AsGiven,
     Windows,
     local_padding,
     ntuple,
@@ -60,6 +61,8 @@ class _ConvPlan:
     padding: tuple[int, ...]  # the local convolution's padding
     layout: Layout | None  # the output's
     local: bool  # every rank's window is its own rows, unpadded (1x1 and patchify convs): nothing to fetch
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
 
 
 @lru_cache(maxsize=1024)
@@ -79,19 +82,26 @@ def _conv_plan(op, nd, layout: Layout, shards, kernel, stride, dilation, padding
         pad = tuple(p for i in reversed(range(nd)) for p in (local_lo[i], local_hi[i]))
         local_lo = [0] * nd
     local = pad is None and all(w == s.bounds for _, s, w in windows.dims)
-    return _ConvPlan(windows, pad, tuple(local_lo), output_layout(layout, shards, out_sizes), local)
+    return _ConvPlan(windows, pad, tuple(local_lo), output_layout(layout, shards, out_sizes), local, stride, dilation)
 
 
 def _convolution(nd: int):
     op = f"conv{nd}d"
+    plans = AsGiven()
 
     def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         x, layout = unwrap(input)
         require_replicated(op, weight=weight, bias=bias)
-        stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
-        padding = padding if isinstance(padding, str) else ntuple(padding, nd, "padding")
-        shards = tuple(spatial_shards(op, x, layout, nd).items())
-        plan = _conv_plan(op, nd, layout, shards, tuple(weight.shape[2:]), stride, dilation, padding)
+        given = (layout, weight.shape, stride, padding, dilation)
+        plan = plans.find(given)
+        if plan is None:
+            stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
+            padding = padding if isinstance(padding, str) else ntuple(padding, nd, "padding")
+            shards = tuple(spatial_shards(op, x, layout, nd).items())
+            plan = plans.keep(
+                given, _conv_plan(op, nd, layout, shards, tuple(weight.shape[2:]), stride, dilation, padding)
+            )
+        stride, dilation = plan.stride, plan.dilation
         x = autocast_input(x)
         if plan.local:
             return adopt(_CONV[nd](x, weight, bias, stride, plan.padding, dilation, groups), plan.layout)

@@ -136,9 +136,9 @@ def elementwise(func: Callable) -> Callable:
     inplace = is_inplace(func)
 
     def run(*args, **kwargs):
-        if kwargs or len(args) > 2 or type(args[0]) is not SpatialTensor:
+        if kwargs or len(args) > 2 or type(args[0]) is not SpatialTensor or torch.compiler.is_dynamo_compiling():
             return general(args, kwargs)
-        # the common cases, on the host path of every activation: ``gelu(x)``, ``x + y``, ``x * scale``
+        # the common cases of eager code, on the host path of every activation: ``gelu(x)``, ``x + y``, ``x * scale``
         layout = args[0]._layout
         if len(args) == 2:
             other = args[1]
@@ -147,7 +147,13 @@ def elementwise(func: Callable) -> Callable:
                     common_layout(func, args)  # raises, naming both layouts
             elif isinstance(other, torch.Tensor):
                 args = (args[0], localize(func, other, layout))
-        return _result(on_shard(func, *args), args, layout)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args)
+        if type(out) is torch.Tensor and out is not args[-1]:  # computed here (not a replicated operand returned)
+            out.__class__ = SpatialTensor  # ``adopt`` without its checks
+            out._layout = layout
+            return out
+        return _result(out, args, layout)
 
     def general(args, kwargs):
         if (inplace and not isinstance(args[0], SpatialTensor)) or (
