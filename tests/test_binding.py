@@ -120,6 +120,11 @@ CASES = {
         lambda x, w, b: F.conv2d(x, w, b, 2, 1, 1, 1),
         lambda x, w, b: F.conv2d(x, w, bias=b, stride=2, padding=1, dilation=1, groups=1),
     ),
+    "conv2d(lists)": (  # unhashable arguments: planned at every call, not kept by the arguments as given
+        "x w b",
+        lambda x, w, b: F.conv2d(x, w, b, [2, 1], [1, 2]),
+        lambda x, w, b: F.conv2d(x, w, b, stride=(2, 1), padding=(1, 2), dilation=[1, 1]),
+    ),
     "conv2d(same)": (
         "x w",
         lambda x, w: F.conv2d(x, w, None, 1, "same", 2),

@@ -48,6 +48,12 @@ CASES = {
         LayoutError,
         "size 2, smaller than its 3 ranks",
     ),
+    "layer_norm over channels of another size": (
+        "w2",
+        lambda ax: F.layer_norm(shard(torch.randn(1, 8, 3, 2), {-2: ax[-1]}), (3,)),
+        RuntimeError,
+        r"Given normalized_shape=\[3\], expected input with shape \[\*, 3\], but got input of size",
+    ),
     "conv output smaller than its ranks": (
         "w3",
         lambda ax: F.conv2d(shard(torch.randn(1, 2, 8, 9), ax), torch.randn(2, 2, 4, 4), stride=4),
