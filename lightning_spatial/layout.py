@@ -52,27 +52,12 @@ def communicates(op: str) -> None:
     torch.library._register_effectful_op(op, EffectType.ORDERED)
 
 
-def _keep_hash(value: Any, fields: tuple) -> None:
-    """Layouts and their parts key the caches every op reads (plans, windows, global shapes): their hash is
-    computed once, not by walking the fields (Python code per level) at every op."""
-    object.__setattr__(value, "_hash", hash(fields))
-
-
-def _hashed(value: Any) -> int:
-    return value._hash
-
-
 @dataclass(frozen=True)
 class Axis:
     """One mesh axis as seen from this rank: its global ranks (in group order) and our index among them."""
 
     ranks: tuple[int, ...]
     index: int
-
-    def __post_init__(self) -> None:
-        _keep_hash(self, (self.ranks, self.index))
-
-    __hash__ = _hashed
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None) -> Axis:
@@ -110,11 +95,6 @@ class DimShard:
     size: int
     outer: int = 1
     inner: int = 1
-
-    def __post_init__(self) -> None:
-        _keep_hash(self, (self.dim, self.axis, self.size, self.outer, self.inner))
-
-    __hash__ = _hashed
 
     @property
     def bounds(self) -> tuple[tuple[int, int], ...]:
@@ -158,9 +138,6 @@ class Layout:
         object.__setattr__(self, "shards", shards)
         object.__setattr__(self, "dims", tuple(sorted({s.dim for s in shards})))
         object.__setattr__(self, "_global_shapes", {})
-        _keep_hash(self, shards)
-
-    __hash__ = _hashed
 
     def get(self, dim: int) -> DimShard | None:
         """The shard of a plain (unmerged) sharded dim; ``None`` if ``dim`` is not sharded."""
