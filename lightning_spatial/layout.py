@@ -120,7 +120,10 @@ class DimShard:
 
 @dataclass(frozen=True)
 class Layout:
-    """Which dims of a tensor are sharded (negative dims), each factor over its own mesh axis."""
+    """Which dims of a tensor are sharded (negative dims), each factor over its own mesh axis.
+
+    Hashed as a dataclass: a cached ``__hash__`` of its own made torch 2.11's dynamo trace wrong aliases
+    (docs/benchmarks.md, session 16)."""
 
     shards: tuple[DimShard, ...]
     dims: tuple[int, ...] = field(init=False, repr=False, compare=False)  # the sharded dims, ascending
