@@ -35,6 +35,21 @@ def test_overloads_bind_as_torch_parses_them():
     assert _bound(torch.Tensor.norm, x, 1, 0) == {"p": 1, "dim": 0, "keepdim": False, "dtype": None}
 
 
+def test_a_call_is_passed_on_as_given_only_where_the_handler_takes_it_so():
+    x = torch.randn(2, 3)
+    every = frozenset({"input", "dim", "keepdim", "dtype"})
+
+    def passing(func, args, kwargs, positional=("input", "dim", "keepdim", "dtype"), names=every):
+        return Binding(func).passing((x, *args), kwargs, positional, names)
+
+    assert passing(torch.sum, (1,), {}) == {"keepdim": False, "dtype": None}  # the defaults torch would bind
+    assert passing(torch.sum, (1,), {"keepdim": True}) == {"dtype": None}
+    assert passing(torch.sum, (1, True), {}, positional=("input", "dim")) is None  # keepdim only by keyword there
+    assert passing(torch.sum, (1,), {"keepdim": True}, names=every - {"keepdim"}) is None  # a name it lacks
+    assert passing(torch.sum, (), {"axis": 1}) is None  # numpy's spelling: bound, as torch's parser reads it
+    assert passing(torch.var, (False,), {}, positional=("input", "dim", "unbiased")) is None  # not a dim
+
+
 @pytest.mark.parametrize(
     "func, args, kwargs",
     [

@@ -69,11 +69,11 @@ class Binding:
         exact fallback is safe). A call torch rejects raises torch's error."""
         return self._match(args, kwargs)[1]
 
-    def passing(self, args: tuple, kwargs: dict, names: tuple[str, ...]) -> dict[str, Any] | None:
-        """The defaults to add to the call as it is, so that a function with parameters ``names`` receives
-        exactly the bound arguments; ``None`` where the call must be bound (torch's and the function's names
-        differ, a numpy alias, ``out=``, or under dynamo). Decided once per call shape: the common path of every
-        bound handler, without building the arguments by name at each call."""
+    def passing(self, args: tuple, kwargs: dict, positional: tuple[str, ...], names: frozenset[str]):
+        """The defaults to add to the call as it is, so that a function whose parameters are ``names``, the first
+        ``positional`` of them also by position, receives exactly the bound arguments; ``None`` where the call must
+        be bound (torch's and the function's parameters differ, a numpy alias, ``out=``, or under dynamo). Decided
+        once per call shape: the common path of every bound handler, without building the arguments by name."""
         if torch.compiler.is_dynamo_compiling():
             return None
         key = _shape_of(args, kwargs)
@@ -83,7 +83,7 @@ class Binding:
             pass
         overload, arguments = self._match(args, kwargs)  # raises a call torch rejects
         passed = None
-        if arguments is not None and names[: len(args)] == overload.names[: len(args)]:
+        if arguments is not None and positional[: len(args)] == overload.names[: len(args)]:
             rest = [n for n in overload.names[len(args) :] if n not in kwargs and n != "out"]
             if all(k in names and k != "out" for k in kwargs) and all(n in names for n in rest):
                 passed = {n: arguments[n] for n in rest}
@@ -118,10 +118,12 @@ def bound(impl: Callable, *funcs: Callable) -> dict[Callable, Callable]:
 
 def _handler(func: Callable, impl: Callable) -> Callable:
     binding = Binding(func)
-    names = tuple(inspect.signature(impl).parameters)
+    params = inspect.signature(impl).parameters.values()
+    names = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    positional = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
 
     def handler(*args, **kwargs):
-        passed = binding.passing(args, kwargs, names)
+        passed = binding.passing(args, kwargs, positional, names)
         if passed is not None:
             return impl(*args, **kwargs, **passed)
         arguments = binding.bind(args, kwargs)
