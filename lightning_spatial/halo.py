@@ -180,8 +180,9 @@ def _window(x: torch.Tensor, plan: _Plan, dim: int, group, fill: float) -> torch
     _count_sent(sends)
     _p2p(group, sends, recvs)
     out = empty_as(x, _shape(x, dim, plan.length))
-    if plan.pieces is not None:  # one copy kernel for the whole window
-        _cat([_piece(x, dim, p, recvs, plan.fill, fill, out) for p in plan.pieces], dim, out)
+    if plan.pieces is not None:  # one copy kernel for the whole window, its parts laid out like it
+        padding = empty_as(out, _shape(x, dim, _count(plan.fill))).fill_(fill) if plan.fill is not None else None
+        _cat(_in_runs(x, dim, plan.pieces, [_laid_out_like(out, buf) for _, buf in recvs], padding), dim, out)
         return out
     if plan.fill is not None:
         out.index_fill_(dim, _index(plan.fill, out.device), fill)
@@ -192,13 +193,9 @@ def _window(x: torch.Tensor, plan: _Plan, dim: int, group, fill: float) -> torch
     return out
 
 
-def _piece(x, dim, piece, recvs, positions, fill, like) -> torch.Tensor:
-    """One run of a window (``_Plan.pieces``), laid out like the window ``like``."""
-    if isinstance(piece, range):
-        return _select(x, dim, piece)
-    if piece is None:
-        return empty_as(like, _shape(x, dim, _count(positions))).fill_(fill)
-    return _laid_out_like(like, recvs[piece][1])
+def _in_runs(x, dim, pieces, received: list[torch.Tensor], padding) -> list[torch.Tensor]:
+    """The window's runs in order (``_Plan.pieces``): rows of ``x``, received rows, the padding block."""
+    return [_select(x, dim, p) if isinstance(p, range) else padding if p is None else received[p] for p in pieces]
 
 
 def _window_grad(grad: torch.Tensor, plan: _Plan, dim: int, group, local_shape) -> torch.Tensor:
@@ -289,10 +286,7 @@ def _traced_window(x: torch.Tensor, plan: _Plan, dim: int, ranks: list[int], fil
     )
     padding = x.new_full(_shape(x, dim, _count(plan.fill)), fill) if plan.fill is not None else None
     if plan.pieces is not None:
-        parts = [
-            _select(x, dim, p) if isinstance(p, range) else padding if p is None else recvs[p] for p in plan.pieces
-        ]
-        return torch.cat([*parts, receipt], dim)
+        return torch.cat([*_in_runs(x, dim, plan.pieces, recvs, padding), receipt], dim)
     runs = [(plan.local[0], _select(x, dim, plan.local[1]))] if plan.local is not None else []
     runs += [(pos, buf) for (_, pos, _), buf in zip(plan.recvs, recvs)]
     if padding is not None:
