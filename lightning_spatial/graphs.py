@@ -60,18 +60,25 @@ class _Graphs:
         # The capture reads detached aliases of the parameters (same memory, so a replay sees the optimizer's
         # updates) as its leaves: the parameters' own AccumulateGrad nodes, which DDP keeps alive, were made on the
         # default stream, and a backward reaching them from the capture's stream would invalidate the capture.
+        # (Parameters, as the module's own are: compiled code guards on their type.)
         names = [n for n, p in module.named_parameters() if p.requires_grad]
-        leaves = [p.detach().requires_grad_(True) for p in self.params]
-        pool = torch.cuda.graph_pool_handle()
-        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
-        with _uncached_autocast(), torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
+        leaves = [nn.Parameter(p.detach()) for p in self.params]
+
+        def forward():
             # shards and their local views made here: the alias nodes between them must run on the capture's
             # stream in the backward
             shards = iter([wrap(t, layout) for t, layout in zip(self.static_in, layouts)])
             static = [next(shards) if _is(a) else a for a in flat]
             args, kwargs = tree_unflatten(static, spec)
-            out = functional_call(module, dict(zip(names, leaves)), tuple(args), kwargs)
+            with _uncached_autocast():
+                return functional_call(module, dict(zip(names, leaves)), tuple(args), kwargs)
+
+        _rehearse(module, forward, needs + leaves)
+        pool = torch.cuda.graph_pool_handle()
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
+        with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
+            out = forward()
             flat_out, self.out_spec = tree_flatten(out)
             outs = [o for o in flat_out if _is(o)]
             local_outs = [_local(o) for o in outs]
@@ -85,7 +92,7 @@ class _Graphs:
         with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
             grads = torch.autograd.grad(differentiable, wrt, self.static_grad_out, allow_unused=True)
         self.static_grads = list(grads)
-        del out, flat_out, outs, local_outs, differentiable, grads, leaves, static, shards
+        del out, flat_out, outs, local_outs, differentiable, grads
 
     def fits(self) -> bool:
         """The parameters still live where the graphs read them (``.to()`` or a reload that reallocates moves
@@ -101,6 +108,19 @@ class _Graphs:
         outs = iter(_Replay.apply(self, *edges, *self.params))
         flat_out = [wrap(next(outs), value) if tensor else value for tensor, value in self.out_slots]
         return tree_unflatten(flat_out, self.out_spec)
+
+
+def _rehearse(module: nn.Module, forward, wrt: list[torch.Tensor]) -> None:
+    """The capture's forward and backward once, uncaptured, the module's buffers restored after: whatever compiles
+    or allocates on a first call under the capture's conditions (compiled code meeting leaves or an autocast state
+    its warm-up calls did not show it) does so here, where it may, not inside the capture."""
+    buffers = [(b, b.clone()) for b in module.buffers()]
+    outs = [_local(o) for o in tree_flatten(forward())[0] if _is(o) and o.requires_grad]
+    if outs:
+        torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
 
 
 class _Replay(torch.autograd.Function):
@@ -174,7 +194,8 @@ class CUDAGraphed(nn.Module):
             return graphs(flat)
         calls = self._eager_calls[key] = self._eager_calls.get(key, 0) + 1
         if calls <= self.warmup:
-            return self.module(*args, **kwargs)
+            with _uncached_autocast():  # as the capture will run it: compiled code guards on the cast cache
+                return self.module(*args, **kwargs)
         if graphs is None and len(self._graphs) >= self.max_signatures:  # each capture holds its own memory
             if not self._warned:
                 self._warned = True

@@ -188,3 +188,30 @@ def test_off_cuda_and_without_autograd_it_runs_eagerly():
 def test_warmup_must_leave_an_eager_call_before_the_capture():
     with pytest.raises(ValueError, match="warmup=0"):
         CUDAGraphed(torch.nn.Linear(2, 2), warmup=0)
+
+
+@gpu
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "shards"])
+def test_a_compiled_module_is_captured_without_compiling_inside_the_capture(deterministic, monkeypatch, sharded):
+    """``CUDAGraphed(torch.compile(model))`` replays and trains to the weights of the same compiled model run
+    without graphs. Compiling inside a capture fails there with a CUDA error, so: plain, the capture's leaves and
+    autocast state are those the warm-up showed the compiled code (nothing compiles again); on shards, the inputs are
+    views whose strides the capture's contiguous copies do not have, and the rehearsal before the capture compiles
+    for them."""
+    precision = torch.bfloat16 if sharded else None
+    with one_rank_of_two(1, 128, monkeypatch) if sharded else nullcontext() as layout:
+        g = torch.Generator(device="cuda").manual_seed(5)
+        if sharded:
+            inputs = [wrap(torch.randn(2, 3, 64, 72, device="cuda", generator=g)[..., 4:68], layout) for _ in range(4)]
+        else:
+            inputs = [torch.randn(2, 3, 64, 64, device="cuda", generator=g) for _ in range(4)]
+        torch._dynamo.reset()
+        graphed = CUDAGraphed(torch.compile(make()), warmup=1)
+        with nullcontext() if sharded else torch._dynamo.config.patch(error_on_recompile=True):
+            loss_g, _ = train(graphed, inputs, precision)
+        assert len(graphed._graphs) == 1
+        eager = torch.compile(make())
+        loss_e, _ = train(eager, inputs, precision)
+        rtol = 1e-5 if precision is None else 1e-2
+        torch.testing.assert_close(loss_g, loss_e, rtol=rtol, atol=0)
+        assert_close_weights(eager, graphed, rtol)
