@@ -191,27 +191,25 @@ def test_warmup_must_leave_an_eager_call_before_the_capture():
 
 
 @gpu
-@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "shards"])
-def test_a_compiled_module_is_captured_without_compiling_inside_the_capture(deterministic, monkeypatch, sharded):
+@pytest.mark.parametrize("inputs_are", ["plain", "views", "shards"])
+def test_a_compiled_module_is_captured_without_compiling_inside_the_capture(deterministic, monkeypatch, inputs_are):
     """``CUDAGraphed(torch.compile(model))`` replays and trains to the weights of the same compiled model run
-    without graphs. Compiling inside a capture fails there with a CUDA error, so: plain, the capture's leaves and
-    autocast state are those the warm-up showed the compiled code (nothing compiles again); on shards, the inputs are
-    views whose strides the capture's contiguous copies do not have, and the rehearsal before the capture compiles
-    for them."""
-    precision = torch.bfloat16 if sharded else None
-    with one_rank_of_two(1, 128, monkeypatch) if sharded else nullcontext() as layout:
+    without graphs, in bf16. A compile inside a capture fails there (a CUDA error), so: the capture's leaves and
+    autocast state are those the warm-up showed the compiled code, and nothing compiles again (plain tensors,
+    shards); where the capture's inputs differ from the warm-up's anyway (views, whose strides the capture's
+    contiguous copies do not have), the rehearsal before the capture compiles for them."""
+    with one_rank_of_two(1, 128, monkeypatch) if inputs_are == "shards" else nullcontext() as layout:
         g = torch.Generator(device="cuda").manual_seed(5)
-        if sharded:
-            inputs = [wrap(torch.randn(2, 3, 64, 72, device="cuda", generator=g)[..., 4:68], layout) for _ in range(4)]
-        else:
-            inputs = [torch.randn(2, 3, 64, 64, device="cuda", generator=g) for _ in range(4)]
+        inputs = [torch.randn(2, 3, 64, 72, device="cuda", generator=g) for _ in range(4)]
+        inputs = [x[..., 4:68] if inputs_are == "views" else x[..., :64].contiguous() for x in inputs]
+        if inputs_are == "shards":
+            inputs = [wrap(x, layout) for x in inputs]
         torch._dynamo.reset()
         graphed = CUDAGraphed(torch.compile(make()), warmup=1)
-        with nullcontext() if sharded else torch._dynamo.config.patch(error_on_recompile=True):
-            loss_g, _ = train(graphed, inputs, precision)
+        with nullcontext() if inputs_are == "views" else torch._dynamo.config.patch(error_on_recompile=True):
+            loss_g, _ = train(graphed, inputs, torch.bfloat16)
         assert len(graphed._graphs) == 1
         eager = torch.compile(make())
-        loss_e, _ = train(eager, inputs, precision)
-        rtol = 1e-5 if precision is None else 1e-2
-        torch.testing.assert_close(loss_g, loss_e, rtol=rtol, atol=0)
-        assert_close_weights(eager, graphed, rtol)
+        loss_e, _ = train(eager, inputs, torch.bfloat16)
+        torch.testing.assert_close(loss_g, loss_e, rtol=1e-2, atol=0)
+        assert_close_weights(eager, graphed, 1e-2)
