@@ -81,23 +81,28 @@ def local_padding(padding: Sequence[int], shards: dict[int, DimShard]) -> list[i
     return [0 if i in shards else p for i, p in enumerate(padding)]
 
 
-class AsGiven(dict):
+class AsGiven:
     """An op's plans by its arguments as the caller gave them (``stride=1`` and ``stride=(1, 1)`` apart): a call
     like an earlier one skips normalising them and the checks they passed. Not read under dynamo (a graph would
-    guard on the table and recompile whenever it grew) or for unhashable arguments (lists)."""
+    guard on the table and recompile whenever it grew) or for unhashable arguments (lists). Not a dict itself:
+    dynamo wraps a dict it meets, entries and all, and could not hash a filled one's keys (a graph break that
+    took shards to a later graph at their global sizes)."""
+
+    def __init__(self) -> None:
+        self._plans: dict = {}
 
     def find(self, given: tuple) -> Any:
         if torch.compiler.is_dynamo_compiling():
             return None
         try:
-            return self.get(given)
+            return self._plans.get(given)
         except TypeError:
             return None
 
     def keep(self, given: tuple, plan: Any) -> Any:
-        if not torch.compiler.is_dynamo_compiling() and len(self) < 1024:
+        if not torch.compiler.is_dynamo_compiling() and len(self._plans) < 1024:
             try:
-                self[given] = plan
+                self._plans[given] = plan
             except TypeError:
                 pass
         return plan
