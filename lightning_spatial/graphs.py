@@ -1,11 +1,13 @@
 """CUDA graphs of a module's forward and backward on shards: the op layer's host time out of the step.
 
 In bf16 one rank's GPU work per op can be short enough that our per-op Python (``__torch_function__``, halo
-bookkeeping) sets the step time (ConvNeXt-XL at S = 8: 1.29x the shard alone eagerly, 1.05x replayed;
-docs/benchmarks.md), and ``torch.compile`` cannot trace a shard (docs/design.md). A CUDA graph records the kernels
+bookkeeping) sets the step time (ConvNeXt-XL at S = 8: 1.2x the shard alone eagerly, 1.05x replayed;
+docs/benchmarks.md), and a compiled step still runs its exchanges' Python (1.17x). A CUDA graph records the kernels
 of one forward and one backward, halo messages included, and replays them with no Python at all: what
-``torch.compile(mode="reduce-overhead")`` does for plain modules, and what ``torch.cuda.make_graphed_callables``
-does, but for calls whose inputs and outputs are shards.
+``torch.compile(mode="reduce-overhead")`` does for plain modules (its graph trees cannot copy a shard), and what
+``torch.cuda.make_graphed_callables`` does, but for calls whose inputs and outputs are shards. It wraps a compiled
+module too (``CUDAGraphed(torch.compile(model))``: 1.06x the compiled and graphed shard alone): the capture calls it
+as its warm-up did, after a rehearsal, so that nothing compiles inside the capture.
 
 ``CUDAGraphed(module)`` (or ``SpatialParallelStrategy(cuda_graphs=["backbone"])``, which wraps named submodules for
 a run and unwraps them after) runs the module eagerly for its first ``warmup`` training calls of a given input
