@@ -186,7 +186,8 @@ class CUDAGraphed(nn.Module):
         self._register_state_dict_hook(_without_wrapper)
         self.register_load_state_dict_pre_hook(_with_wrapper)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    @torch.compiler.disable  # opaque to a compiled caller (dynamo must not trace a capture); a compiled module
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # inside still runs compiled
         flat, spec = tree_flatten((args, kwargs))
         key = self._signature(flat, spec)
         if key is None:

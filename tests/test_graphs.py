@@ -213,3 +213,32 @@ def test_a_compiled_module_is_captured_without_compiling_inside_the_capture(dete
         loss_e, _ = train(eager, inputs, torch.bfloat16)
         torch.testing.assert_close(loss_g, loss_e, rtol=1e-2, atol=0)
         assert_close_weights(eager, graphed, 1e-2)
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, graphed: torch.nn.Module):
+        super().__init__()
+        self.stem, self.graphed, self.head = torch.nn.Conv2d(3, 4, 1), graphed, torch.nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.head(self.graphed(self.stem(x)).relu())
+
+
+def test_a_compiled_caller_leaves_the_graphed_module_to_itself():
+    """``torch.compile`` of a module holding a ``CUDAGraphed`` one (``Trainer.fit(torch.compile(module))`` with
+    ``cuda_graphs``): dynamo does not trace the wrapper (it would trace a capture): the graphs it builds around it
+    hold none of the wrapped module's ops, and a compiled module inside the wrapper still compiles."""
+    torch.manual_seed(6)
+    graphs = []
+
+    def record(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    inner = torch.nn.Conv2d(4, 4, 3, padding=1)
+    model = Holder(CUDAGraphed(torch.compile(inner, backend=record)))
+    x = torch.randn(1, 3, 8, 8)
+    torch.testing.assert_close(torch.compile(model, backend=record)(x), model(x), rtol=0, atol=0)
+    convs = sorted(sum(n.target is torch.conv2d for n in g.graph.nodes) for g in graphs)
+    assert convs == [1, 1, 1], convs  # the stem's graph, the head's, and the wrapped module's own
