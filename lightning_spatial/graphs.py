@@ -65,6 +65,7 @@ class _Graphs:
         # (Parameters, as the module's own are: compiled code guards on their type.)
         names = [n for n, p in module.named_parameters() if p.requires_grad]
         leaves = [nn.Parameter(p.detach()) for p in self.params]
+        wrt = needs + leaves
 
         def forward():
             # shards and their local views made here: the alias nodes between them must run on the capture's
@@ -75,7 +76,7 @@ class _Graphs:
             with _uncached_autocast():
                 return functional_call(module, dict(zip(names, leaves)), tuple(args), kwargs)
 
-        _rehearse(module, forward, needs + leaves)
+        _rehearse(module, forward, wrt)
         pool = torch.cuda.graph_pool_handle()
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
@@ -90,7 +91,6 @@ class _Graphs:
         self.out_needs_grad = [o.requires_grad for o in outs]
         differentiable = [o for o in local_outs if o.requires_grad]
         self.static_grad_out = [torch.empty_like(o) for o in differentiable]
-        wrt = needs + leaves
         with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
             grads = torch.autograd.grad(differentiable, wrt, self.static_grad_out, allow_unused=True)
         self.static_grads = list(grads)
