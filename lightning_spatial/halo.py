@@ -237,18 +237,20 @@ class _FetchWindow(torch.autograd.Function):
 @torch.library.custom_op("lightning_spatial::exchange", mutates_args=())
 def _exchange(
     like: torch.Tensor,
-    sends: list[torch.Tensor],
+    message: torch.Tensor,
     dim: int,
     send_to: list[int],
+    sent: list[int],
     recv_from: list[int],
     counts: list[int],
     ranks: list[int],
 ) -> list[torch.Tensor]:
-    """``sends[k]`` to the rank at index ``send_to[k]`` of the axis; ``counts[k]`` rows of ``like``'s shape (along
-    ``dim``), contiguous, from ``recv_from[k]``; and last a receipt, ``like`` with no rows: joined into the window,
-    it makes the exchange part of the graph where nothing arrives, so that its backward (the reverse exchange) runs
-    on every rank."""
-    outgoing = [(j, t.contiguous()) for j, t in zip(send_to, sends)]
+    """To the rank at index ``send_to[k]`` of the axis, ``sent[k]`` rows of ``like``'s shape (along ``dim``): the
+    messages one after the other in ``message`` (``_flat``); ``counts[k]`` rows, contiguous, from
+    ``recv_from[k]``; and last a receipt, ``like`` with no rows: joined into the window, it makes the exchange part
+    of the graph where nothing arrives, so that its backward (the reverse exchange) runs on every rank."""
+    sizes = [torch.Size(_shape(like, dim, c)).numel() for c in sent]
+    outgoing = list(zip(send_to, message.contiguous().split(sizes)))
     incoming = [(j, like.new_empty(_shape(like, dim, c))) for j, c in zip(recv_from, counts)]
     _count_sent(outgoing)
     _p2p(group_of(ranks), outgoing, incoming)
@@ -256,20 +258,27 @@ def _exchange(
 
 
 @_exchange.register_fake
-def _(like, sends, dim, send_to, recv_from, counts, ranks):
+def _(like, message, dim, send_to, sent, recv_from, counts, ranks):
     return [like.new_empty(_shape(like, dim, c)) for c in [*counts, 0]]
 
 
+def _flat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Messages as one flat tensor, each row-major: the order every rank reads alike, whatever strides compiled
+    code gives them (inductor may lay out a traced ``contiguous()`` as it likes), written by the kernels that
+    produce them (no copy of its own in the exchange)."""
+    return torch.cat([p.reshape(-1) for p in parts]) if parts else like.new_empty(0)
+
+
 def _exchange_setup(ctx, inputs, output):
-    _, sends, dim, send_to, recv_from, _, ranks = inputs
-    ctx.args = dim, recv_from, send_to, [t.shape[dim] for t in sends], ranks
+    _, _, dim, send_to, sent, recv_from, counts, ranks = inputs
+    ctx.args = dim, recv_from, counts, send_to, sent, ranks
     ctx.empty = [isinstance(a, list) and not a for a in inputs]  # autograd matches empty lists' structure
 
 
 def _exchange_backward(ctx, grads):
     *arrived, receipt = grads  # the receipt's gradient, no rows, gives the dtype, device and other sizes
     out = [[] if empty else None for empty in ctx.empty]
-    out[1] = _exchange(receipt, arrived, *ctx.args)[:-1]
+    out[1] = _flat(_exchange(receipt, _flat(arrived, receipt), *ctx.args)[:-1], receipt)
     return tuple(out)
 
 
@@ -280,9 +289,10 @@ communicates("lightning_spatial::exchange")
 def _traced_window(x: torch.Tensor, plan: _Plan, dim: int, ranks: list[int], fill: float) -> torch.Tensor:
     """``_window`` as tensor ops around one ``exchange``: one ``cat`` of the window's runs (local rows, received
     rows, padding) in order, or where positions are scattered (reflect padding), one ``index_select`` from them."""
-    sends = [_select(x, dim, rows).contiguous() for _, rows in plan.sends]  # messages travel contiguous
+    message = _flat([_select(x, dim, rows) for _, rows in plan.sends], x)
+    send_to, sent = [j for j, _ in plan.sends], [_count(rows) for _, rows in plan.sends]
     *recvs, receipt = _exchange(
-        x, sends, dim, [j for j, _ in plan.sends], [j for j, *_ in plan.recvs], [c for *_, c in plan.recvs], ranks
+        x, message, dim, send_to, sent, [j for j, *_ in plan.recvs], [c for *_, c in plan.recvs], ranks
     )
     padding = x.new_full(_shape(x, dim, _count(plan.fill)), fill) if plan.fill is not None else None
     if plan.pieces is not None:

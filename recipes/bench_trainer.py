@@ -6,6 +6,7 @@ collate hook), any strategy. Compares strategies on the same model and global ba
     torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --model convnext_large --batch 4
     torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --cuda-graphs backbone ...
     torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --compile ...
+    torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --compile backbone --cuda-graphs backbone
     python recipes/bench_trainer.py --strategy single --model petr --batch 1 --height 512 --width 1408
 
 ``--batch`` is per process for data parallel strategies and per spatial group for ``spatial_tp`` (every rank of
@@ -42,7 +43,14 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--cuda-graphs", default="", help="spatial_tp: submodules replayed as CUDA graphs, comma list (backbone)"
     )
-    p.add_argument("--compile", action="store_true", help="Trainer.fit(torch.compile(module)), inductor")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="module",
+        default="",
+        help="inductor: 'module' (the flag alone) fits torch.compile(module); a submodule's name (backbone) compiles "
+        "that submodule in place, which --cuda-graphs may then capture",
+    )
     p.add_argument("--compile-mode", default=None, help="torch.compile's mode (default, max-autotune-no-cudagraphs)")
     p.add_argument("--compression", default="none", help="horovod: none | fp16")
     p.add_argument("--fusion-mb", type=float, default=None, help="horovod: tensor fusion buffer (MiB)")
@@ -167,7 +175,9 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[timer],
     )
-    trainer.fit(torch.compile(model, mode=args.compile_mode) if args.compile else model, loader)
+    if args.compile and args.compile != "module":
+        model.get_submodule(args.compile).compile(mode=args.compile_mode)
+    trainer.fit(torch.compile(model, mode=args.compile_mode) if args.compile == "module" else model, loader)
     device = trainer.strategy.root_device
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     row = {

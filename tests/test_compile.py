@@ -84,6 +84,44 @@ def test_a_compiled_model_gives_the_eager_outputs_and_gradients_on_shards(layout
     run_spmd(_compiled_case, LAYOUTS[layout][0], layout, name, backend, eager_first, timeout=600)
 
 
+def _message_case():
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(  # a pointwise producer, then a depthwise convolution (halos), channels_last
+        torch.nn.Conv2d(4, 8, 1), torch.nn.GELU(), torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+    ).to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(model)
+    compiled = torch.compile(ours, backend=recording("inductor"), fullgraph=True)
+    x = torch.randn(2, 4, 6, 12)  # the activations are channels_last (the weights are), as in ConvNeXt
+    run = lambda x: compiled(x) if isinstance(x, SpatialTensor) else model(x)  # noqa: E731
+    check(run, [x], sharded=[0], axes=axes("w2"), modules=(model, ours))
+
+    def step():
+        compiled(shard(x, axes("w2")).requires_grad_()).to_local().sum().backward()
+
+    step()  # compiles for a shard that is itself the leaf
+    with torch.profiler.profile() as prof:
+        step()
+    exchanges = [e for e in prof.events() if e.name == "lightning_spatial::exchange"]
+    outermost = [e for e in exchanges if e.cpu_parent is None or e.cpu_parent.name != e.name]  # dispatch nests them
+    assert len(outermost) == 2, [e.name for e in prof.events()]  # the forward's and the backward's
+
+    def copies(event):
+        return [c.name for c in event.cpu_children if c.name in ("aten::copy_", "aten::clone")] + [
+            name for c in event.cpu_children for name in copies(c)
+        ]
+
+    assert not [name for e in exchanges for name in copies(e)], "a message was copied inside the exchange"
+
+
+@pytest.mark.slow
+def test_compiled_messages_are_written_by_their_producers():
+    """Messages reach the exchange as one flat buffer written by the kernels that compute them, in the forward and
+    the backward: no copy of its own inside the op (inductor lays out a traced ``contiguous()`` as it likes: a
+    channels_last strip then cost the op a copy per message, 0.7 ms of a bf16 ConvNeXt-XL step at S = 8 on the
+    H200), and the results are the eager ones."""
+    run_spmd(_message_case, 2, timeout=600)
+
+
 def _global_size_case():
     def f(x):
         return x * torch.arange(x.shape[-1], dtype=x.dtype)  # the global width, read from the shard

@@ -201,10 +201,12 @@ def test_petr_benchmark_smoke_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, compiled", [("spatial_tp", False), ("spatial_tp", True), ("ddp", False)])
+@pytest.mark.parametrize(
+    "strategy, compiled", [("spatial_tp", ""), ("spatial_tp", "module"), ("spatial_tp", "backbone"), ("ddp", "")]
+)
 def test_trainer_benchmark_under_torchrun(strategy, compiled, tmp_path):
     """Step time through the Trainer (module, DataLoader, collate hook) on 2 gloo ranks, eager or compiled
-    (inductor); no timing is asserted."""
+    (inductor: the whole module, or the backbone in place under ``--cuda-graphs``); no timing is asserted."""
     args = [
         "--accelerator",
         "cpu",
@@ -218,15 +220,15 @@ def test_trainer_benchmark_under_torchrun(strategy, compiled, tmp_path):
         "64",
     ]
     profile = ["--profile"] if strategy == "ddp" else []
-    graphs = ["--cuda-graphs", "backbone"] if strategy == "spatial_tp" and not compiled else []  # eager on CPU
-    compile_ = ["--compile"] if compiled else []
+    graphs = ["--cuda-graphs", "backbone"] if strategy == "spatial_tp" and compiled != "module" else []  # eager on CPU
+    compile_ = ["--compile", compiled] if compiled == "backbone" else ["--compile"] if compiled else []
     torchrun_2(
         "bench_trainer.py", *args, *profile, *graphs, *compile_, "--steps", "2", "--warmup", "1", "--out", str(tmp_path)
     )
     (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
     assert row["world"] == 2 and row["strategy"] == strategy and row["step_ms"] > 0 and row["compile"] == compiled
-    assert (row["compiled_graphs"] > 0) == compiled
-    assert row["cuda_graphs"] == ("" if strategy == "ddp" or compiled else "backbone")
+    assert (row["compiled_graphs"] > 0) == bool(compiled)
+    assert row["cuda_graphs"] == ("" if strategy == "ddp" or compiled == "module" else "backbone")
     assert row["step_ms_range"][0] <= row["step_ms"] <= row["step_ms_range"][1]
     assert row["threads"] == 1  # torchrun's OMP_NUM_THREADS=1
     profiles = list(tmp_path.glob("profile_*.txt"))
