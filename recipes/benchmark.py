@@ -328,6 +328,7 @@ def profile(step, device, show: bool) -> dict[str, float]:
     for kind, own in spans.items():
         out[kind] = _covered(own)
         out[f"{kind}_exposed"] = busy - _covered([s for k, v in spans.items() if k != kind for s in v])
+    out["copies"] = _copies_by_caller(prof.events())
     if not cuda:
         out["compute"] = out["compute_exposed"] = wall - busy
     else:  # device time by the op that launched it (self time: an op's own kernels)
@@ -338,8 +339,31 @@ def profile(step, device, show: bool) -> dict[str, float]:
         events = prof.key_averages()
         for key in ["self_cuda_time_total"] * cuda + ["self_cpu_time_total"]:
             print(events.table(sort_by=key, row_limit=12))
-        print(json.dumps({"profile_ms": {k: v for k, v in out.items() if k != "op_device_ms"}}), flush=True)
+        print(json.dumps({"profile_ms": {k: v for k, v in out.items() if k not in ("op_device_ms", "copies")}}))
+        print(json.dumps({"copies_by_caller": out["copies"]}), flush=True)
     return out
+
+
+_COPYING = ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::to", "aten::contiguous")
+
+
+def _copies_by_caller(events) -> dict[str, list]:
+    """Every ``aten::copy_`` of the step by the op that asked for it (through ``clone``, ``to``...): ``{caller:
+    [count, device ms]}``, e.g. ``torch::autograd::AccumulateGrad < aten::clone`` (autograd copying a gradient into
+    ``.grad``) apart from a copy made by that node's hooks (DDP's into its bucket). Kernels launched by CUDA graph
+    replays are not among them."""
+    out: dict[str, list] = {}
+    for e in events:
+        if e.name != "aten::copy_":
+            continue
+        via, parent = [], e.cpu_parent
+        while parent is not None and parent.name in _COPYING:
+            via.append(parent.name)
+            parent = parent.cpu_parent
+        caller = " < ".join([parent.name if parent is not None else "(step)", *via[::-1]])
+        count, ms = out.get(caller, [0, 0.0])
+        out[caller] = [count + 1, ms + e.device_time_total / 1e3]
+    return dict(sorted(out.items(), key=lambda item: -item[1][1]))
 
 
 def extra_device_time(ours: dict[str, float], shard: dict[str, float], top: int = 15) -> list[tuple[str, float, float]]:

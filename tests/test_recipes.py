@@ -161,6 +161,9 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     assert [(r["spatial"], r["tiles"]) for r in rows] == [(2, "1x2"), (2, "1x2"), (4, "1x4"), (4, "2x2")]
     assert all(r["halo_mib_per_step"] > 0 and r["ours_ms"] > 0 and r["zero_grad"] == "after_forward" for r in rows)
     assert all(r["graphs"] == "both" and r["profile"][0]["wall"] > 0 and r["shard_profile"]["wall"] > 0 for r in rows)
+    # copies by the op that made them: DDP's into its buckets in our step only (the shard alone runs without DDP)
+    assert all("torch::distributed::reducer::copy_" in r["profile"][0]["copies"] for r in rows)
+    assert not any("torch::distributed::reducer::copy_" in r["shard_profile"]["copies"] for r in rows)
 
 
 def test_compiled_benchmark_smoke_on_cpu(tmp_path):
