@@ -348,19 +348,19 @@ _COPYING = ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::to", "aten::c
 
 
 def _copies_by_caller(events) -> dict[str, list]:
-    """Every ``aten::copy_`` of the step by the op that asked for it (through ``clone``, ``to``...): ``{caller:
-    [count, device ms]}``, e.g. ``torch::autograd::AccumulateGrad < aten::clone`` (autograd copying a gradient into
-    ``.grad``) apart from a copy made by that node's hooks (DDP's into its bucket). Kernels launched by CUDA graph
-    replays are not among them."""
+    """Every copy of the step (outermost ``aten::copy_``) by the op that asked for it, through ``clone``, ``to``...:
+    ``{caller: [count, device ms]}``, e.g. ``torch::autograd::AccumulateGrad > aten::clone`` (autograd copying a
+    gradient into ``.grad``) apart from ``torch::distributed::reducer::copy_`` (DDP's into its bucket). Kernels of a
+    CUDA graph replay are not among them."""
     out: dict[str, list] = {}
     for e in events:
-        if e.name != "aten::copy_":
+        if e.name != "aten::copy_" or (e.cpu_parent is not None and e.cpu_parent.name == "aten::copy_"):
             continue
         via, parent = [], e.cpu_parent
         while parent is not None and parent.name in _COPYING:
             via.append(parent.name)
             parent = parent.cpu_parent
-        caller = " < ".join([parent.name if parent is not None else "(step)", *via[::-1]])
+        caller = " > ".join([parent.name if parent is not None else "(step)", *via[::-1]])
         count, ms = out.get(caller, [0, 0.0])
         out[caller] = [count + 1, ms + e.device_time_total / 1e3]
     return dict(sorted(out.items(), key=lambda item: -item[1][1]))

@@ -209,8 +209,9 @@ def rows_with_efficiency(out: Path, parts: list[dict]) -> list[dict]:
         else:
             r["t1_ms"], r["t1_from"] = one_gpu.get(tuple(r[k] for k in key), math.nan), "one-GPU part, same call"
         r["efficiency"] = r["t1_ms"] / (r["spatial"] * r["ours_ms"])
-        if r.get("profile"):  # mean over the ranks
-            r["profile_mean_ms"] = {k: statistics.fmean(p[k] for p in r["profile"]) for k in r["profile"][0]}
+        if r.get("profile"):  # mean over the ranks, of the times (``copies`` is a table)
+            times = [k for k, v in r["profile"][0].items() if isinstance(v, float | int)]
+            r["profile_mean_ms"] = {k: statistics.fmean(p[k] for p in r["profile"]) for k in times}
     return rows
 
 

@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 import benchmark  # noqa: E402 - a script beside its helpers, not a package
 
-PROFILE_KEYS = {"wall", "idle"} | {f"{k}{e}" for k in ("halo", "collective", "compute") for e in ("", "_exposed")}
+PROFILE_KEYS = {"wall", "idle", "copies"} | {
+    f"{k}{e}" for k in ("halo", "collective", "compute") for e in ("", "_exposed")
+}
 
 
 @pytest.mark.parametrize(
