@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .tensor import SpatialTensor, wrap
 
@@ -149,7 +150,36 @@ class _Replay(torch.autograd.Function):
             else:
                 static.copy_(_local(g))
         graphs.backward_graph.replay()
-        return (None, *graphs.static_grads)
+        inputs = len(graphs.static_grads) - len(graphs.params)
+        return (None, *graphs.static_grads[:inputs], *map(_into_bucket, graphs.params, graphs.static_grads[inputs:]))
+
+
+_BUCKET_VIEWS = WeakIdKeyDictionary()  # parameter -> where DDP keeps its gradient (``note_bucket_views``)
+
+
+def note_bucket_views(bucket) -> None:
+    """Called from a DDP communication hook (``gradient_as_bucket_view=True``): where DDP keeps each parameter's
+    gradient, its bucket view (``.grad`` is that view by the time the bucket is reduced). A replayed backward writes
+    a gradient there when the parameter's ``.grad`` is None (Lightning sets it so after every step): autograd adopts
+    that memory as ``.grad`` and DDP finds it in its bucket. One copy of the gradients instead of two: the graph's
+    output into a new ``.grad``, then that into the bucket."""
+    storage = bucket.buffer().untyped_storage().data_ptr()
+    for param in bucket.parameters():
+        if param.grad is not None and param.grad.untyped_storage().data_ptr() == storage:
+            _BUCKET_VIEWS[param] = param.grad
+
+
+def _into_bucket(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """``grad`` copied into ``param``'s bucket view, which autograd then adopts (a fresh alias, nobody else holds it),
+    or where there is none or ``.grad`` holds a gradient to add to (accumulation), ``grad`` itself (autograd copies
+    the graph's memory). DDP copies a gradient that is not in its bucket: a view of old buckets only costs a copy."""
+    view = _BUCKET_VIEWS.get(param)
+    if grad is None or view is None or param.grad is not None:
+        return grad
+    if (view.shape, view.dtype, view.device) != (grad.shape, grad.dtype, grad.device):
+        return grad
+    view.copy_(grad)
+    return view.detach()
 
 
 class _uncached_autocast:
@@ -250,4 +280,4 @@ def _with_wrapper(module, state_dict, prefix, *args):
         state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
-__all__ = ["CUDAGraphed"]
+__all__ = ["CUDAGraphed", "note_bucket_views"]

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_spatial import Axis, SpatialDims, halo
-from lightning_spatial.graphs import CUDAGraphed
+from lightning_spatial.graphs import CUDAGraphed, note_bucket_views
 from lightning_spatial.halo import HaloStats
 from lightning_spatial.layout import DimShard, Layout, partition
 from lightning_spatial.strategies.spatial import gradients_laid_out_like_parameters
@@ -413,6 +413,7 @@ def _no_messages(axis, sends: list, recvs: list) -> None:
 
 
 def _completed(state, bucket):
+    note_bucket_views(bucket)  # a replayed backward's gradients go straight there (lightning_spatial.graphs)
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
 
 import pytest
 import timm
@@ -12,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_spatial import Axis, DimShard, Layout, halo
-from lightning_spatial.graphs import CUDAGraphed
+from lightning_spatial import graphs as graphs_module
+from lightning_spatial.graphs import CUDAGraphed, _Replay, note_bucket_views
 from lightning_spatial.tensor import SpatialTensor, wrap
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -246,3 +248,80 @@ def test_a_compiled_caller_leaves_the_graphed_module_to_itself():
     torch.testing.assert_close(torch.compile(model, backend=record)(x), model(x), rtol=0, atol=0)
     convs = sorted(sum(n.target is torch.conv2d for n in g.graph.nodes) for g in graphs)
     assert convs == [1, 1, 1], convs  # the stem's graph, the head's, and the wrapped module's own
+
+
+class _EagerGraphs:
+    """What ``_Replay`` reads of a capture, filled by eager calls instead of graphs (CPU): its gradients are the
+    capture's memory, as a replayed backward's are."""
+
+    def __init__(self, model: torch.nn.Module, x: torch.Tensor):
+        self.params = tuple(model.parameters())
+        self.model, self.x = model, x
+        self.out_needs_grad = [True]
+        self.static_out = [model(x).detach()]
+        self.static_grad_out = [torch.empty_like(self.static_out[0])]
+        self.static_grads = [torch.empty_like(p) for p in self.params]
+        self.forward_graph = SimpleNamespace(replay=lambda: None)  # the output is computed once, above
+        self.backward_graph = SimpleNamespace(replay=self.backward)
+
+    def backward(self) -> None:
+        with torch.enable_grad():
+            grads = torch.autograd.grad(self.model(self.x), self.params, self.static_grad_out)
+        for static, g in zip(self.static_grads, grads):
+            static.copy_(g)
+
+
+class _Replayed(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, graphs: _EagerGraphs):
+        super().__init__()
+        self.model, self.graphs = model, graphs
+
+    def forward(self, x):
+        return _Replay.apply(self.graphs, *self.model.parameters())[0]
+
+
+def test_replayed_gradients_land_in_ddp_buckets_with_one_copy():
+    """A replay's gradients are copied once, into DDP's buckets (``note_bucket_views`` from the comm hook), where
+    autograd adopts them and DDP finds them: no copy under ``AccumulateGrad`` (autograd's copy out of the graph's
+    memory into a new ``.grad``, then DDP's into its bucket, as before). Gradients equal, ``.grad`` in the bucket;
+    with ``.grad`` set (accumulation) they add as usual."""
+    from torch.distributed import HashStore
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)  # strides DDP must keep
+        x = torch.randn(2, 3, 8, 8)
+        reference = [g for g in torch.autograd.grad(model(x).sum(), list(model.parameters()))]
+
+        def hook(state, bucket):
+            note_bucket_views(bucket)
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(None, hook)
+        ddp(x).sum().backward()  # eager: DDP's buckets, their views noted
+        model.zero_grad(set_to_none=True)
+        replayed = DistributedDataParallel(_Replayed(model, _EagerGraphs(model, x)), gradient_as_bucket_view=True)
+        replayed.register_comm_hook(None, hook)
+        with torch.profiler.profile() as prof:
+            replayed(x).sum().backward()
+        accumulate = [e for e in prof.events() if e.name == "torch::autograd::AccumulateGrad"]
+
+        def copies(event):
+            return [c.name for c in event.cpu_children if c.name in ("aten::copy_", "aten::clone")] + [
+                name for c in event.cpu_children for name in copies(c)
+            ]
+
+        assert accumulate and not [name for e in accumulate for name in copies(e)]
+        for p, g in zip(model.parameters(), reference):
+            torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=0)
+            assert p.grad.data_ptr() == graphs_module._BUCKET_VIEWS[p].data_ptr() and p.grad.stride() == p.stride()
+        replayed(x).sum().backward()  # .grad set: added to, in the bucket
+        for p, g in zip(model.parameters(), reference):
+            torch.testing.assert_close(p.grad, 2 * g, rtol=1e-6, atol=0)
+    finally:
+        dist.destroy_process_group()

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from ..graphs import note_bucket_views
 from ..layout import Axis
 from ..mesh import SpatialDims, tiles
 from ..ops import norm
@@ -376,6 +377,7 @@ def _sum_then_divide(data_size, bucket):
     """DDP's all-reduce, divided by the data-parallel size instead of the world size: gradient shares summed
     over each spatial group, averaged over the data replicas. (DDP checks a hook's annotations against the
     real classes, which ``from __future__ import annotations`` turns into strings: none here.)"""
+    note_bucket_views(bucket)  # where a replayed backward writes its gradients (lightning_spatial.graphs)
     buffer = bucket.buffer().div_(data_size)
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
