@@ -25,6 +25,7 @@ state dict is the module's, under the same names.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -154,19 +155,32 @@ class _Replay(torch.autograd.Function):
         return (None, *graphs.static_grads[:inputs], *map(_into_bucket, graphs.params, graphs.static_grads[inputs:]))
 
 
-_BUCKET_VIEWS = WeakIdKeyDictionary()  # parameter -> where DDP keeps its gradient (``note_bucket_views``)
+_BUCKET_VIEWS = WeakIdKeyDictionary()  # parameter -> where DDP keeps its gradient (``noting_bucket_views``)
 
 
-def note_bucket_views(bucket) -> None:
-    """Called from a DDP communication hook (``gradient_as_bucket_view=True``): where DDP keeps each parameter's
-    gradient, its bucket view (``.grad`` is that view by the time the bucket is reduced). A replayed backward writes
-    a gradient there when the parameter's ``.grad`` is None (Lightning sets it so after every step): autograd adopts
-    that memory as ``.grad`` and DDP finds it in its bucket. One copy of the gradients instead of two: the graph's
-    output into a new ``.grad``, then that into the bucket."""
-    storage = bucket.buffer().untyped_storage().data_ptr()
-    for param in bucket.parameters():
-        if param.grad is not None and param.grad.untyped_storage().data_ptr() == storage:
-            _BUCKET_VIEWS[param] = param.grad
+def noting_bucket_views(hook: Callable) -> Callable:
+    """A DDP communication hook (``gradient_as_bucket_view=True``) that first notes where DDP keeps each parameter's
+    gradient, its bucket view (``.grad`` is that view by the time the bucket is reduced), then runs ``hook``. A
+    replayed backward writes a gradient there when the parameter's ``.grad`` is None (Lightning sets it so after
+    every step): autograd adopts that memory as ``.grad`` and DDP finds it in its bucket. One copy of the gradients
+    instead of two: the graph's output into a new ``.grad``, then that into the bucket. (It walks every parameter
+    each step: for runs that replay.)"""
+
+    def noting_hook(state, bucket):
+        storage = bucket.buffer().untyped_storage().data_ptr()
+        for param in bucket.parameters():
+            if param.grad is not None and param.grad.untyped_storage().data_ptr() == storage:
+                _BUCKET_VIEWS[param] = param.grad
+        return hook(state, bucket)
+
+    return noting_hook
+
+
+def forget_bucket_views(module: nn.Module) -> None:
+    """Drops what ``noting_bucket_views`` noted for ``module``'s parameters (at the end of a run: the views hold DDP's
+    buckets, a gradient-sized buffer, alive)."""
+    for param in module.parameters():
+        _BUCKET_VIEWS.pop(param, None)
 
 
 def _into_bucket(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -280,4 +294,4 @@ def _with_wrapper(module, state_dict, prefix, *args):
         state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
-__all__ = ["CUDAGraphed", "note_bucket_views"]
+__all__ = ["CUDAGraphed", "forget_bucket_views", "noting_bucket_views"]

@@ -37,9 +37,10 @@ import time
 import bench_models
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_spatial import Axis, SpatialDims, halo
-from lightning_spatial.graphs import CUDAGraphed, note_bucket_views
+from lightning_spatial.graphs import CUDAGraphed, noting_bucket_views
 from lightning_spatial.halo import HaloStats
 from lightning_spatial.layout import DimShard, Layout, partition
 from lightning_spatial.strategies.spatial import gradients_laid_out_like_parameters
@@ -243,8 +244,10 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
     )  # gradients live in the buckets: no second copy of 1.3 GB of gradients
-    if not real:  # the fake backend's all-reduce yields no tensor; DDP's hook must hand one back
-        ddp.register_comm_hook(None, _completed)
+    # the fake backend's all-reduce yields no tensor, so a hook hands one back; replays write into the buckets
+    hook = _completed if not real else allreduce_hook if args.graphs != "none" else None
+    if hook is not None:
+        ddp.register_comm_hook(None, noting_bucket_views(hook) if args.graphs != "none" else hook)
     row["grad_allreduce_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     step = train_step(task, ddp, opt, make_input(local, layout_obj), precision, device, args.zero_grad)
     row["ours_ms"], row["ours_gib"], row["ours_reserved_gib"] = measure(step, device, args.steps, args.warmup)
@@ -413,7 +416,6 @@ def _no_messages(axis, sends: list, recvs: list) -> None:
 
 
 def _completed(state, bucket):
-    note_bucket_views(bucket)  # a replayed backward's gradients go straight there (lightning_spatial.graphs)
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lightning_spatial import Axis, DimShard, Layout, halo
 from lightning_spatial import graphs as graphs_module
-from lightning_spatial.graphs import CUDAGraphed, _Replay, note_bucket_views
+from lightning_spatial.graphs import CUDAGraphed, _Replay, noting_bucket_views
 from lightning_spatial.tensor import SpatialTensor, wrap
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -281,7 +281,7 @@ class _Replayed(torch.nn.Module):
 
 
 def test_replayed_gradients_land_in_ddp_buckets_with_one_copy():
-    """A replay's gradients are copied once, into DDP's buckets (``note_bucket_views`` from the comm hook), where
+    """A replay's gradients are copied once, into DDP's buckets (``noting_bucket_views`` wraps the comm hook), where
     autograd adopts them and DDP finds them: no copy under ``AccumulateGrad`` (autograd's copy out of the graph's
     memory into a new ``.grad``, then DDP's into its bucket, as before). Gradients equal, ``.grad`` in the bucket;
     with ``.grad`` set (accumulation) they add as usual."""
@@ -295,8 +295,8 @@ def test_replayed_gradients_land_in_ddp_buckets_with_one_copy():
         x = torch.randn(2, 3, 8, 8)
         reference = [g for g in torch.autograd.grad(model(x).sum(), list(model.parameters()))]
 
+        @noting_bucket_views
         def hook(state, bucket):
-            note_bucket_views(bucket)
             done = torch.futures.Future()
             done.set_result(bucket.buffer())
             return done

@@ -17,7 +17,7 @@ from types import TracebackType
 
 import torch
 
-from ..graphs import CUDAGraphed
+from ..graphs import CUDAGraphed, forget_bucket_views
 from ..layout import LayoutError
 from ..tensor import module_names
 
@@ -106,6 +106,7 @@ def graphed(root: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
     finally:
         for parent, attr, module in reversed(swapped):
             setattr(parent, attr, module)
+            forget_bucket_views(module)
 
 
 __all__ = ["graphed", "metrics_sync_over", "named_modules", "naming_the_layer"]

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from ..graphs import note_bucket_views
+from ..graphs import noting_bucket_views
 from ..layout import Axis
 from ..mesh import SpatialDims, tiles
 from ..ops import norm
@@ -244,10 +244,11 @@ class SpatialParallelStrategy(DDPStrategy):
         super().configure_ddp()
         state, hook, wrapper = self._user_comm_hook
         if hook is None:
-            self.model.register_comm_hook(self.dims.data, _sum_then_divide)
-            return
-        hook = wrapper(hook) if wrapper is not None else hook
-        self.model.register_comm_hook(state, _scaled(hook, self.dims.spatial_size))
+            state, hook = self.dims.data, _sum_then_divide
+        else:
+            hook = _scaled(wrapper(hook) if wrapper is not None else hook, self.dims.spatial_size)
+        # replays (cuda_graphs) write their gradients straight into DDP's buckets
+        self.model.register_comm_hook(state, noting_bucket_views(hook) if self._cuda_graphs else hook)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -377,7 +378,6 @@ def _sum_then_divide(data_size, bucket):
     """DDP's all-reduce, divided by the data-parallel size instead of the world size: gradient shares summed
     over each spatial group, averaged over the data replicas. (DDP checks a hook's annotations against the
     real classes, which ``from __future__ import annotations`` turns into strings: none here.)"""
-    note_bucket_views(bucket)  # where a replayed backward writes its gradients (lightning_spatial.graphs)
     buffer = bucket.buffer().div_(data_size)
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor, gather, layout
+from lightning_spatial import graphs as graphs_module
 from lightning_spatial.graphs import CUDAGraphed
 from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, LitModel, loader
@@ -31,9 +32,8 @@ def trainer(devices=2, spatial=2, shard_dim="width", max_epochs=2, strategy=None
     }
     if strategy is None:
         strategy = SpatialParallelStrategy(spatial, shard_dim, start_method="fork") if spatial else "auto"
-    return L.Trainer(
-        accelerator="cpu", devices=devices if spatial else 1, strategy=strategy, max_epochs=max_epochs, **kwargs
-    )
+    kwargs.setdefault("accelerator", "cpu")
+    return L.Trainer(devices=devices if spatial else 1, strategy=strategy, max_epochs=max_epochs, **kwargs)
 
 
 class CheckBatches(L.Callback):
@@ -197,6 +197,52 @@ def test_cuda_graphs_wrap_for_the_run_and_checkpoints_keep_the_module_names(tmp_
         t.checkpoint_callback.best_model_path or t.checkpoint_callback.last_model_path, weights_only=False
     )
     assert saved["state_dict"].keys() == plain.state_dict().keys()
+
+
+class CountsNotedBuckets(L.Callback):
+    def __init__(self):
+        self.noted = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.noted.append(sum(p in graphs_module._BUCKET_VIEWS for p in pl_module.parameters()))
+
+
+@pytest.mark.parametrize("cuda_graphs", [(), ("model",)])
+def test_bucket_views_are_noted_for_replays_and_forgotten_after_the_run(cuda_graphs):
+    """With ``cuda_graphs`` the comm hook notes every parameter's bucket view, where a replayed backward writes its
+    gradient (lightning_spatial.graphs; off CUDA the module runs eagerly, the hook alike); without, nothing (the
+    walk costs host time). After the run nothing of the model is kept: the views hold DDP's buckets alive."""
+    model = LitModel("convnext_atto")
+    counts = CountsNotedBuckets()
+    strategy = SpatialParallelStrategy(1, cuda_graphs=cuda_graphs)
+    trainer(1, 1, strategy=strategy, callbacks=[counts]).fit(model, loader(Images(4, 32, 64), 2))
+    everyone = len(list(model.parameters()))
+    assert counts.noted == ([everyone] * 4 if cuda_graphs else [0] * 4)
+    assert not [p for p in model.parameters() if p in graphs_module._BUCKET_VIEWS]
+
+
+class Replayed(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        assert len(pl_module.model._graphs) == 1, "the model never replayed"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_replays_under_ddp_train_to_the_eager_weights_on_one_gpu(accumulate):
+    """One GPU through the Trainer: the model replays as CUDA graphs under DDP from its third backward, its
+    gradients written straight into DDP's buckets; with accumulation the second backward adds to them. Same
+    weights as eager training under the same strategy. (Two GPUs over NCCL: tests/strategy/test_nccl.py.)"""
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    data = Images(8 * accumulate, 32, 64)
+    weights = []
+    for cuda_graphs, callbacks in (((), []), (("model",), [Replayed()])):
+        model = LitModel("convnext_atto")
+        strategy = SpatialParallelStrategy(1, cuda_graphs=cuda_graphs)
+        t = trainer(1, 1, strategy=strategy, accelerator="gpu", callbacks=callbacks, accumulate_grad_batches=accumulate)
+        L.seed_everything(1234)
+        t.fit(model, loader(data, 2))
+        weights.append(model.cpu())
+    assert_same_weights(weights[1], weights[0])
 
 
 def test_plain_checkpoint_loads_into_a_spatial_run(tmp_path):
