@@ -4,6 +4,8 @@ and compiled code trains exactly as the eager module does on one device (docs/de
 from __future__ import annotations
 
 import copy
+import functools
+import warnings
 
 import lightning as L
 import pytest
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.registry import lookup_backend
 
-from lightning_spatial import SpatialParallelStrategy, SpatialTensor, gather, shard
+from lightning_spatial import SpatialParallelStrategy, SpatialTensor, compiling, gather, shard
 from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd
 from tests.strategy.lit import Images, LitModel
@@ -272,3 +274,27 @@ def _outside_case():
 
 def test_compiling_over_shards_needs_no_strategy():
     run_spmd(_outside_case, 2)
+
+
+@functools.lru_cache
+def _factor(n: int) -> float:
+    return 1.0 / n
+
+
+def _quiet_case():
+    from torch._dynamo.utils import warn_once_cache
+
+    warn_once_cache.clear()  # dynamo warns once per message and process
+    compiling._quiet_about_our_caches()  # again: a filter set at import (torch < 2.14) ended with pytest's collection
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+    with warnings.catch_warnings(record=True) as caught:
+        torch.compile(conv, backend="eager", fullgraph=True)(shard(torch.randn(1, 2, 5, 8), axes("w2")))
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
+    with pytest.warns(UserWarning, match="lru_cache"):  # a user's cache: dynamo's warning stands
+        torch.compile(lambda t: t * _factor(3), backend="eager", fullgraph=True)(torch.randn(3))
+
+
+def test_dynamo_says_nothing_about_our_caches():
+    """Dynamo warns once for every ``lru_cache``-wrapped function it traces; ours (partitions, windows, plans: pure
+    functions of sizes) are silenced, a user's are not."""
+    run_spmd(_quiet_case, 2)
