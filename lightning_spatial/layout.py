@@ -118,6 +118,9 @@ class DimShard:
         return self.outer > 1 or self.inner > 1
 
 
+_UNSEEN = object()
+
+
 @dataclass(frozen=True)
 class Layout:
     """Which dims of a tensor are sharded (negative dims), each factor over its own mesh axis.
@@ -128,6 +131,7 @@ class Layout:
     shards: tuple[DimShard, ...]
     dims: tuple[int, ...] = field(init=False, repr=False, compare=False)  # the sharded dims, ascending
     _global_shapes: dict = field(init=False, repr=False, compare=False)  # local -> global: ``x.shape`` is asked often
+    _cuts: dict = field(init=False, repr=False, compare=False)  # replicated operand's shape -> ``cut_for``'s answer
 
     def __post_init__(self) -> None:
         shards = tuple(sorted(self.shards, key=lambda s: (s.dim, s.outer)))
@@ -141,6 +145,7 @@ class Layout:
         object.__setattr__(self, "shards", shards)
         object.__setattr__(self, "dims", tuple(sorted({s.dim for s in shards})))
         object.__setattr__(self, "_global_shapes", {})
+        object.__setattr__(self, "_cuts", {})
 
     def get(self, dim: int) -> DimShard | None:
         """The shard of a plain (unmerged) sharded dim; ``None`` if ``dim`` is not sharded."""
@@ -172,6 +177,29 @@ class Layout:
         if len(self._global_shapes) > 256:  # shapes vary (batch, crops): keep the table small
             self._global_shapes.clear()
         known = self._global_shapes[local] = torch.Size(shape)
+        return known
+
+    def cut_for(self, shape: torch.Size) -> Layout | None:
+        """How a replicated tensor of ``shape`` is cut to this rank's part next to a tensor of this layout: size 1
+        along a sharded dim broadcasts, the full global size is cut (the returned layout's shards); ``None``: nothing
+        to cut. Anything else raises. Kept per shape: it is asked for every replicated operand of every op."""
+        known = self._cuts.get(shape, _UNSEEN)
+        if known is not _UNSEEN:
+            return known
+        cut = []
+        for dim in self.dims:
+            if len(shape) < -dim or shape[dim] == 1:
+                continue
+            shards = self.on(dim)
+            if shape[dim] != shards[0].extent:
+                raise LayoutError(
+                    f"a replicated tensor of shape {tuple(shape)} meets a tensor sharded along dim {dim} of global "
+                    f"size {shards[0].extent}; it must have size 1 (broadcast) or {shards[0].extent} there"
+                )
+            cut.extend(shards)
+        if len(self._cuts) > 256:  # shapes vary (batch, crops): keep the table small
+            self._cuts.clear()
+        known = self._cuts[shape] = Layout(tuple(cut)) if cut else None
         return known
 
     def local_shape(self, shape) -> list[int]:

@@ -243,19 +243,11 @@ def localize(func: Callable, t: Any, layout: Layout) -> Any:
     broadcasts; the full global size is cut to this rank's part; anything else is an error."""
     if not isinstance(t, torch.Tensor) or isinstance(t, SpatialTensor):
         return t
-    cut = []
-    for dim in layout.dims:
-        shards = layout.on(dim)
-        if t.dim() < -dim or t.shape[dim] == 1:
-            continue
-        if t.shape[dim] != shards[0].extent:
-            raise LayoutError(
-                f"{name_of(func)}: a replicated tensor of shape {tuple(t.shape)} meets a tensor sharded along dim "
-                f"{dim} of global size {shards[0].extent}; it must have size 1 (broadcast) or {shards[0].extent} "
-                "there"
-            )
-        cut.extend(shards)
-    return Layout(tuple(cut)).take_local(t) if cut else t
+    try:
+        cut = layout.cut_for(t.shape)
+    except LayoutError as e:
+        raise LayoutError(f"{name_of(func)}: {e}") from None
+    return t if cut is None else cut.take_local(t)
 
 
 # -- the fallback: exact, announced, controllable ---------------------------------------------------------
