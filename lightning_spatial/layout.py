@@ -118,7 +118,7 @@ class DimShard:
         return self.outer > 1 or self.inner > 1
 
 
-_UNSEEN = object()
+UNSEEN = object()  # what ``Layout.memo.get`` answers for a question not asked before
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,9 @@ class Layout:
     shards: tuple[DimShard, ...]
     dims: tuple[int, ...] = field(init=False, repr=False, compare=False)  # the sharded dims, ascending
     _global_shapes: dict = field(init=False, repr=False, compare=False)  # local -> global: ``x.shape`` is asked often
-    _cuts: dict = field(init=False, repr=False, compare=False)  # replicated operand's shape -> ``cut_for``'s answer
+    # answers that depend on this layout and a few hashable values, kept with it (``remember``): looking one up
+    # hashes no layout (a dataclass hash walks every shard, axis and rank list: 0.3 us)
+    memo: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shards = tuple(sorted(self.shards, key=lambda s: (s.dim, s.outer)))
@@ -145,7 +147,10 @@ class Layout:
         object.__setattr__(self, "shards", shards)
         object.__setattr__(self, "dims", tuple(sorted({s.dim for s in shards})))
         object.__setattr__(self, "_global_shapes", {})
-        object.__setattr__(self, "_cuts", {})
+        object.__setattr__(self, "memo", {})
+
+    def __reduce__(self):  # pickled (DataLoader workers) without what it remembered: some keys are not picklable
+        return Layout, (self.shards,)
 
     def get(self, dim: int) -> DimShard | None:
         """The shard of a plain (unmerged) sharded dim; ``None`` if ``dim`` is not sharded."""
@@ -183,8 +188,9 @@ class Layout:
         """How a replicated tensor of ``shape`` is cut to this rank's part next to a tensor of this layout: size 1
         along a sharded dim broadcasts, the full global size is cut (the returned layout's shards); ``None``: nothing
         to cut. Anything else raises. Kept per shape: it is asked for every replicated operand of every op."""
-        known = self._cuts.get(shape, _UNSEEN)
-        if known is not _UNSEEN:
+        key = ("cut", shape)
+        known = self.memo.get(key, UNSEEN)
+        if known is not UNSEEN:
             return known
         cut = []
         for dim in self.dims:
@@ -197,10 +203,14 @@ class Layout:
                     f"size {shards[0].extent}; it must have size 1 (broadcast) or {shards[0].extent} there"
                 )
             cut.extend(shards)
-        if len(self._cuts) > 256:  # shapes vary (batch, crops): keep the table small
-            self._cuts.clear()
-        known = self._cuts[shape] = Layout(tuple(cut)) if cut else None
-        return known
+        return self.remember(key, Layout(tuple(cut)) if cut else None)
+
+    def remember(self, key: tuple, answer: Any) -> Any:
+        """Keep ``answer`` in ``memo`` under ``key`` (its first item names the question) and return it."""
+        if len(self.memo) > 256:  # shapes vary (batch, crops): keep the table small
+            self.memo.clear()
+        self.memo[key] = answer
+        return answer
 
     def local_shape(self, shape) -> list[int]:
         """This rank's sizes of a tensor of global ``shape`` with this layout."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import pytest
 import torch
@@ -108,3 +109,13 @@ def test_token_positions_and_owners_partition_the_tokens_in_order():
             assert int((owners >= 0).sum()) == len(pos)
             seen.append(pos)
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(70))
+
+
+def test_a_layout_pickles_without_what_it_remembered():
+    """DataLoader workers receive layouts; ops' answers kept with one may have keys pickle refuses (``x.mT``'s
+    getter keys a permutation)."""
+    layout = Layout((DimShard(-1, Axis((0, 1, 2), 1), 9),))
+    layout.remember(("permute", torch.Tensor.mT.__get__, 4, ((), ())), layout)
+    copy = pickle.loads(pickle.dumps(layout))
+    assert copy == layout and copy.memo == {} and copy.dims == (-1,)
+    assert copy.cut_for(torch.Size([2, 9])) == layout

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..collectives import MAX, across_detached
-from ..layout import DimShard, Layout, LayoutError
+from ..layout import UNSEEN, DimShard, Layout, LayoutError
 from ..tensor import SpatialTensor, adopt, fallback, localize, on_shard, unwrap
 from ._binding import bound, raise_torch_error
 from ._common import require_replicated
@@ -92,18 +92,21 @@ def _permute_op(func):
     """permute/transpose/movedim/mT: the sharded dims move with the data."""
 
     def permute(input, *args, **kwargs):
-        call = (args, tuple(sorted(kwargs.items())) if kwargs else ())
-        if not all(type(a) is int for a in args) or kwargs:  # dims as lists: tuples, to key the cache
-            call = _freeze(call)
         out = on_shard(func, input, *args, **kwargs)
-        return adopt(out, _moved(func, input._layout, out.dim(), call))
+        call = (args, ())
+        if kwargs or (args and type(args[0]) is not int):  # dims as lists: tuples, to key the memo
+            call = _freeze((args, tuple(sorted(kwargs.items()))))
+        layout, key = input._layout, ("permute", func, out.dim(), call)
+        moved = layout.memo.get(key, UNSEEN)
+        if moved is UNSEEN:
+            moved = layout.remember(key, _moved(func, layout, *key[2:]))
+        return adopt(out, moved)
 
     return permute
 
 
-@lru_cache(maxsize=1024)
 def _moved(func, layout: Layout, ndim: int, call: tuple) -> Layout:
-    """``layout`` after ``func`` permutes the dims, once per call signature (no probe every step)."""
+    """``layout`` after ``func`` permutes the dims (asked once per layout and call signature: no probe every step)."""
     args, kwargs = call
     probe = torch.empty(list(range(2, 2 + ndim)), device="meta")  # distinct sizes reveal the permutation
     order = [n - 2 for n in func(probe, *args, **dict(kwargs)).shape]
