@@ -130,9 +130,8 @@ class Layout:
 
     shards: tuple[DimShard, ...]
     dims: tuple[int, ...] = field(init=False, repr=False, compare=False)  # the sharded dims, ascending
-    _global_shapes: dict = field(init=False, repr=False, compare=False)  # local -> global: ``x.shape`` is asked often
     # answers that depend on this layout and a few hashable values, kept with it (``remember``): looking one up
-    # hashes no layout (a dataclass hash walks every shard, axis and rank list: 0.3 us)
+    # hashes no layout (a dataclass hash walks every shard, axis and rank list: 0.3 us). ``x.shape`` asks often.
     memo: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -146,7 +145,6 @@ class Layout:
             _factors(tuple(s for s in shards if s.dim == dim))  # validates that the factors nest
         object.__setattr__(self, "shards", shards)
         object.__setattr__(self, "dims", tuple(sorted({s.dim for s in shards})))
-        object.__setattr__(self, "_global_shapes", {})
         object.__setattr__(self, "memo", {})
 
     def __reduce__(self):  # pickled (DataLoader workers) without what it remembered: some keys are not picklable
@@ -173,16 +171,14 @@ class Layout:
     def global_shape(self, local: torch.Tensor | torch.Size) -> torch.Size:
         local = local.shape if isinstance(local, torch.Tensor) else local
         local = local if isinstance(local, tuple) else tuple(local)  # a torch.Size is a tuple
-        known = self._global_shapes.get(local)
+        key = ("global shape", local)
+        known = self.memo.get(key)
         if known is not None:
             return known
         shape = list(local)
         for s in self.shards:
             shape[s.dim] = s.extent
-        if len(self._global_shapes) > 256:  # shapes vary (batch, crops): keep the table small
-            self._global_shapes.clear()
-        known = self._global_shapes[local] = torch.Size(shape)
-        return known
+        return self.remember(key, torch.Size(shape))
 
     def cut_for(self, shape: torch.Size) -> Layout | None:
         """How a replicated tensor of ``shape`` is cut to this rank's part next to a tensor of this layout: size 1
