@@ -244,10 +244,10 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
     )  # gradients live in the buckets: no second copy of 1.3 GB of gradients
-    # the fake backend's all-reduce yields no tensor, so a hook hands one back; replays write into the buckets
-    hook = _completed if not real else allreduce_hook if args.graphs != "none" else None
-    if hook is not None:
-        ddp.register_comm_hook(None, noting_bucket_views(hook) if args.graphs != "none" else hook)
+    graphed = args.graphs != "none"  # replays write their gradients straight into the buckets, noted by the hook
+    hook = allreduce_hook if real else _completed  # the fake backend's all-reduce yields no tensor: hand one back
+    if graphed or not real:
+        ddp.register_comm_hook(None, noting_bucket_views(hook) if graphed else hook)
     row["grad_allreduce_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     step = train_step(task, ddp, opt, make_input(local, layout_obj), precision, device, args.zero_grad)
     row["ours_ms"], row["ours_gib"], row["ours_reserved_gib"] = measure(step, device, args.steps, args.warmup)
