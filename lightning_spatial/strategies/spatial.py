@@ -42,6 +42,7 @@ from lightning.pytorch.strategies.ddp import default_pg_timeout
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -233,6 +234,14 @@ class SpatialParallelStrategy(DDPStrategy):
             self.plan = make_plan(self, trainer, self._memory_budget, self._shard_select, gradient_copy)
             rank_zero_info(self.plan.describe())
         return self.plan
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        """DDP built on the current stream. Lightning 2.6 builds it on a side stream, for capturing the whole
+        network as a CUDA graph; then the gradient accumulators DDP keeps belong to that stream, and every backward
+        on the default one warns of the mismatch and may synchronize (Lightning #21567). Our graphs read aliases
+        of the parameters (lightning_spatial.graphs) and do not need it."""
+        return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
     @override
     def configure_ddp(self) -> None:
