@@ -32,6 +32,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .collectives import all_gather
 from .layout import Axis, DimShard, Layout, LayoutError
 
+# read once: every op of eager code calls them (``is_dynamo_compiling`` is the function dynamo knows by identity)
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_Plain = torch._C.DisableTorchFunctionSubclass
+
 
 class SpatialTensor(torch.Tensor):
     """This rank's shard of an activation; see the module docstring."""
@@ -44,7 +48,7 @@ class SpatialTensor(torch.Tensor):
 
     def to_local(self) -> torch.Tensor:
         """The shard as a plain tensor, still attached to the autograd graph."""
-        if torch.compiler.is_dynamo_compiling():  # an op of the graph (``as_subclass`` is not traceable)
+        if _dynamo_compiling():  # an op of the graph (``as_subclass`` is not traceable)
             return torch.ops.aten.alias.default(self)
         with torch._C.DisableTorchFunctionSubclass():
             return self.as_subclass(torch.Tensor)
@@ -61,18 +65,19 @@ class SpatialTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if torch.compiler.is_dynamo_compiling():
+        if _dynamo_compiling():
             return _traced(func, args, kwargs or {})
-        if not _building_graph():  # eager code: the path every op of an uncompiled step takes, checked first
-            handler = HANDLERS.get(func)
-            if handler is not None and (func not in _INPUT_WRITES or not _written_by_compiled_graph()):
+        # Eager code, the path every op of an uncompiled step takes, is checked first. Not eager: dynamo runs code
+        # of its own on a shard while it builds a graph (fake tensors, guards); torch 2.14 calls us then with
+        # ``is_compiling()`` true, torch 2.11 with it false but inside its tracing context. (Flags read directly.)
+        if not (_compiler._is_compiling_flag or getattr(_TRACING, "tracing_context", None) is not None):
+            handler = _EAGER.get(func)
+            if handler is not None:
                 return handler(*args, **kwargs) if kwargs else handler(*args)
-            if handler is None and not isinstance(func, _GRAPH_OPS):
+            if not isinstance(func, _GRAPH_OPS):
                 return fallback(func, args, kwargs or {})
-        # dynamo's own reads of a shard while it builds a graph (fake tensors, guards); the ``torch.ops`` a
-        # compiled graph runs (dynamo traced them from our handlers, on the shards); aot_autograd writing the
-        # graph's local results into a shard it was given (an input mutated in place)
-        with torch._C.DisableTorchFunctionSubclass():
+        # dynamo's reads; the ``torch.ops`` a compiled graph runs (dynamo traced them from our handlers, on the shards)
+        with _Plain():
             return func(*args, **(kwargs or {}))
 
 
@@ -94,30 +99,34 @@ def _position(func: Callable) -> int:
 
 
 def index_handlers() -> None:
-    """Number the handlers for traced code (``ops.install``)."""
+    """Number the handlers for traced code, and make eager code's table (``ops.install``)."""
     _POSITIONS.clear()
     _POSITIONS.update({func: i for i, func in enumerate(HANDLERS)})
     _BY_POSITION[:] = HANDLERS.values()
+    _EAGER.clear()
+    _EAGER.update({f: _unless_a_compiled_graph_writes(f, h) if f in _INPUT_WRITES else h for f, h in HANDLERS.items()})
 
 
 _POSITIONS: dict[Callable, int] = {}
 _BY_POSITION: list[Callable] = []
+_EAGER: dict[Callable, Callable] = {}  # HANDLERS, those of in-place writes guarded
 
 _GRAPH_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
 _INPUT_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.as_strided_, torch.Tensor.set_})
 _AOT_RUNTIME = os.path.dirname(torch._functorch.__file__)
 
 
-def _building_graph() -> bool:
-    """Outside traced code (``__torch_function__`` has returned there already): dynamo runs code of its own on a
-    shard. torch 2.14 calls us then with ``is_compiling()`` true, torch 2.11 with it false but inside its tracing
-    context. (The flags are read directly: this runs for every op of eager code.)"""
-    return _compiler._is_compiling_flag or getattr(_TRACING, "tracing_context", None) is not None
+def _unless_a_compiled_graph_writes(func: Callable, handler: Callable) -> Callable:
+    """aot_autograd's runtime copies a compiled graph's result into a shard it mutated in place: a write of the
+    graph's local result, done as it is."""
 
+    def write(*args, **kwargs):
+        if sys._getframe(2).f_code.co_filename.startswith(_AOT_RUNTIME):  # this, __torch_function__, its caller
+            with _Plain():
+                return func(*args, **kwargs)
+        return handler(*args, **kwargs)
 
-def _written_by_compiled_graph() -> bool:
-    """aot_autograd's runtime copies a compiled graph's result into a shard it mutated in place."""
-    return sys._getframe(2).f_code.co_filename.startswith(_AOT_RUNTIME)
+    return write
 
 
 def _rebuild(rebuild: Callable, args: tuple, layout: Layout) -> SpatialTensor:
@@ -155,7 +164,7 @@ def adopt(out: torch.Tensor, layout: Layout | None) -> torch.Tensor:
     pass a tensor that user code may hold (an operand returned unchanged, a parameter): use ``wrap``."""
     if layout is None:
         return out
-    if type(out) is not torch.Tensor or torch.compiler.is_dynamo_compiling():
+    if type(out) is not torch.Tensor or _dynamo_compiling():
         return wrap(out, layout)
     out.__class__ = SpatialTensor
     out._layout = layout
@@ -169,7 +178,7 @@ def on_shard(func: Callable, *args: Any, **kwargs: Any) -> Any:
     Under dynamo the shards are read through plain aliases: dynamo types what an in-place op returns under
     disabled torch function as a plain tensor and puts it in place of every reference to the operand, which
     would lose the shard's layout in the code being traced."""
-    if not torch.compiler.is_dynamo_compiling():
+    if not _dynamo_compiling():
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     local = [a.to_local() if isinstance(a, SpatialTensor) else a for a in args]

@@ -179,6 +179,33 @@ def test_an_op_without_a_handler_falls_back_exactly_between_graphs():
     run_spmd(_fallback_case, 2)
 
 
+def _input_write_case(layout, requires_grad):
+    def scale_in_place(x):
+        x.mul_(2)
+        return x * 3
+
+    compiled = torch.compile(scale_in_place, backend=recording(), fullgraph=True)
+    full = torch.randn(2, 3, 4, 10, dtype=torch.float64)
+    x = shard(full.clone(), axes(layout))  # its own memory (a shard may be a view of the full tensor)
+    if requires_grad:  # a leaf may not be written in place: write a non-leaf
+        x = x.requires_grad_() * 1
+        full = full.requires_grad_() * 1
+    out = compiled(x)
+    expected = scale_in_place(full)
+    assert type(x) is SpatialTensor and type(out) is SpatialTensor
+    torch.testing.assert_close(gather(x), full, rtol=0, atol=0)
+    torch.testing.assert_close(gather(out), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("layout", ["w3", "2x2"])
+def test_a_compiled_graph_writes_its_result_into_a_shard_it_was_given(layout, requires_grad):
+    """Where aot_autograd applies an input's in-place update after the graph (torch 2.11 with a graph input that
+    needs grad; 2.14 keeps the write in the graph), it copies the graph's local result into the shard: a write of
+    local rows, not an element-wise ``copy_`` whose plain operand would be cut as a global tensor."""
+    run_spmd(_input_write_case, LAYOUTS[layout][0], layout, requires_grad)
+
+
 def _setitem_case():
     def write(x):
         y = x * 2

@@ -63,6 +63,8 @@ class Binding:
         self.overloads = _overloads(func)
         self._chosen: dict[tuple, _Overload] = {}  # call shape (count, keywords, types) -> overload
         self._passed: dict[tuple, dict[str, Any] | None] = {}  # call shape -> ``passing``'s answer
+        # a Python function has one signature: its binding depends on the count and keywords, not the types
+        self._call_shape = _shape_of if self.overloads[0].checks else _count_and_keywords
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         """The arguments by name; ``None`` if torch accepts a call no overload here matches (then only the
@@ -76,7 +78,7 @@ class Binding:
         once per call shape: the common path of every bound handler, without building the arguments by name."""
         if torch.compiler.is_dynamo_compiling():
             return None
-        key = _shape_of(args, kwargs)
+        key = self._call_shape(args, kwargs)
         try:
             return self._passed[key]
         except KeyError:
@@ -226,6 +228,10 @@ def _shape_of(args: tuple, kwargs: dict) -> tuple:
     """What decides the overload and the binding of a call: the count of positional arguments, the keywords, and
     the kinds of values."""
     return (len(args), tuple(kwargs), *map(_kind, args), *map(_kind, kwargs.values()))
+
+
+def _count_and_keywords(args: tuple, kwargs: dict) -> tuple:
+    return (len(args), *kwargs)
 
 
 def _kind(v) -> Any:

@@ -128,6 +128,10 @@ LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
 )
 
 
+_dynamo_compiling = torch.compiler.is_dynamo_compiling  # names read once: the fast path below runs for every op
+_Plain = torch._C.DisableTorchFunctionSubclass
+
+
 def elementwise(func: Callable) -> Callable:
     """``func`` on the local shards, replicated operands localized; results keep the common layout.
 
@@ -136,7 +140,7 @@ def elementwise(func: Callable) -> Callable:
     inplace = is_inplace(func)
 
     def run(*args, **kwargs):
-        if kwargs or len(args) > 2 or type(args[0]) is not SpatialTensor or torch.compiler.is_dynamo_compiling():
+        if kwargs or len(args) > 2 or type(args[0]) is not SpatialTensor or _dynamo_compiling():
             return general(args, kwargs)
         # the common cases of eager code, on the host path of every activation: ``gelu(x)``, ``x + y``, ``x * scale``
         layout = args[0]._layout
@@ -147,7 +151,7 @@ def elementwise(func: Callable) -> Callable:
                     common_layout(func, args)  # raises, naming both layouts
             elif isinstance(other, torch.Tensor):
                 args = (args[0], localize(func, other, layout))
-        with torch._C.DisableTorchFunctionSubclass():
+        with _Plain():
             out = func(*args)
         if type(out) is torch.Tensor and out is not args[-1]:  # computed here (not a replicated operand returned)
             out.__class__ = SpatialTensor  # ``adopt`` without its checks
