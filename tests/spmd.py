@@ -1,7 +1,9 @@
 """Multi-process test harness: fork N gloo ranks on CPU, run a function on each, report every failure.
 
 ``fork`` starts a rank in ~0.1 s where ``spawn`` re-imports torch (~12 s on 2 cores); the parent never
-initialises a process group or intra-op threads that a child could inherit.
+initialises a process group or intra-op threads that a child could inherit. Once the parent has used CUDA (a GPU
+test earlier in the same run), ranks are spawned: a forked child cannot touch CUDA, and Lightning's Trainer reads
+every CUDA generator's state (``isolate_rng``) even on CPU.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from lightning_spatial import Axis
 
 
 def run_spmd(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> None:
-    """Run ``fn(*args)`` on ``world_size`` forked gloo ranks; raise with every rank's traceback on failure."""
-    ctx = mp.get_context("fork")
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; raise with every rank's traceback on failure."""
+    ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
