@@ -32,7 +32,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .collectives import all_gather
 from .layout import Axis, DimShard, Layout, LayoutError
 
-# read once: every op of eager code calls them (``is_dynamo_compiling`` is the function dynamo knows by identity)
+# read once: every op of eager code calls them, here and in ops.elementwise (``is_dynamo_compiling`` is the
+# function dynamo knows by identity)
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 _Plain = torch._C.DisableTorchFunctionSubclass
 
@@ -50,7 +51,7 @@ class SpatialTensor(torch.Tensor):
         """The shard as a plain tensor, still attached to the autograd graph."""
         if _dynamo_compiling():  # an op of the graph (``as_subclass`` is not traceable)
             return torch.ops.aten.alias.default(self)
-        with torch._C.DisableTorchFunctionSubclass():
+        with _Plain():
             return self.as_subclass(torch.Tensor)
 
     def __repr__(self, *, tensor_contents=None) -> str:  # local: printing must not communicate
@@ -85,7 +86,7 @@ def _traced(func, args, kwargs):
     """``__torch_function__`` as dynamo traces it: the handler is found outside the trace (torch 2.11's dynamo
     cannot hash every key of ``HANDLERS``), its code is traced."""
     if isinstance(func, _GRAPH_OPS):
-        with torch._C.DisableTorchFunctionSubclass():
+        with _Plain():
             return func(*args, **kwargs)
     position = _position(func)
     if position >= 0:
@@ -152,7 +153,7 @@ def wrap(local: torch.Tensor, layout: Layout | None) -> torch.Tensor:
     if type(local) is torch.Tensor:  # no subclass to dispatch: skip the guard's context manager
         out = local.as_subclass(SpatialTensor)
     else:
-        with torch._C.DisableTorchFunctionSubclass():
+        with _Plain():
             out = local.as_subclass(SpatialTensor)
     out._layout = layout
     return out
@@ -179,7 +180,7 @@ def on_shard(func: Callable, *args: Any, **kwargs: Any) -> Any:
     disabled torch function as a plain tensor and puts it in place of every reference to the operand, which
     would lose the shard's layout in the code being traced."""
     if not _dynamo_compiling():
-        with torch._C.DisableTorchFunctionSubclass():
+        with _Plain():
             return func(*args, **kwargs)
     local = [a.to_local() if isinstance(a, SpatialTensor) else a for a in args]
     named = {k: v.to_local() if isinstance(v, SpatialTensor) else v for k, v in kwargs.items()}
@@ -354,7 +355,7 @@ def _announce(func: Callable, operands: list[SpatialTensor]) -> None:
 
 
 def _global_bytes(t: SpatialTensor) -> int:
-    with torch._C.DisableTorchFunctionSubclass():
+    with _Plain():
         local = t.shape
     return t._layout.global_shape(local).numel() * t.element_size()
 
@@ -373,7 +374,7 @@ def fallback(func, args, kwargs):
     _announce(func, operands)
     full_args, full_kwargs = tree_map(lambda t: gather(t) if isinstance(t, SpatialTensor) else t, (args, kwargs))
     target, full_target = (args[0], full_args[0]) if is_inplace(func) else (kwargs.get("out"), full_kwargs.get("out"))
-    with torch._C.DisableTorchFunctionSubclass():
+    with _Plain():
         out = func(*full_args, **full_kwargs)
     if isinstance(target, SpatialTensor):
         return on_shard(torch.Tensor.copy_, target, target._layout.take_local(full_target))

@@ -14,7 +14,19 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from ..tensor import SpatialTensor, adopt, common_layout, fallback, is_inplace, localize, on_shard, unwrap, wrap
+from ..tensor import (
+    SpatialTensor,
+    _dynamo_compiling,
+    _Plain,
+    adopt,
+    common_layout,
+    fallback,
+    is_inplace,
+    localize,
+    on_shard,
+    unwrap,
+    wrap,
+)
 
 
 def _pointwise_names() -> set[str]:
@@ -126,10 +138,6 @@ LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
         (torch, torch.Tensor),
     )
 )
-
-
-_dynamo_compiling = torch.compiler.is_dynamo_compiling  # names read once: the fast path below runs for every op
-_Plain = torch._C.DisableTorchFunctionSubclass
 
 
 def elementwise(func: Callable) -> Callable:
