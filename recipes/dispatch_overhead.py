@@ -79,6 +79,7 @@ def main() -> None:
         "layer_norm (channels last)": lambda t: F.layer_norm(t.permute(0, 2, 3, 1), (channels,), norm, norm),
         "linear (channels last)": lambda t: fc(t.permute(0, 2, 3, 1)),
         "gelu": F.gelu,
+        "gelu, as nn.GELU calls it": torch.nn.GELU(),  # approximate= by keyword, as modules pass options
         "mul by a replicated tensor": lambda t: t * scale,
         "add": lambda t: t + t,
         "shape": lambda t: t.shape,

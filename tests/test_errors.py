@@ -78,6 +78,18 @@ CASES = {
         LayoutError,
         "conv2d: weight is sharded",
     ),
+    "sharded bias": (
+        "w2",
+        lambda ax: F.linear(shard(torch.randn(1, 8, 6), {-2: ax[-1]}), torch.randn(4, 6), shard(torch.randn(8, 4), ax)),
+        LayoutError,
+        "linear: bias is sharded",
+    ),
+    "linear over sharded tokens merged into its features": (
+        "w2",
+        lambda ax: F.linear(shard(torch.randn(1, 2, 3, 4), ax).flatten(-2), torch.randn(5, 12)),
+        LayoutError,
+        r"linear: the last dim \(features\) is sharded",
+    ),
     "reflect pad wider than the image": (
         "w2",
         lambda ax: F.pad(shard(torch.randn(1, 2, 8, 4), ax), (4, 4), mode="reflect"),

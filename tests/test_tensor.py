@@ -95,6 +95,9 @@ def _elementwise_case(layout):
     def op(x, y, gate, bias, pos):
         z = torch.nn.functional.gelu(x) * torch.sigmoid(gate) + y.relu() - bias + pos
         z = z / 2 + x.clamp(-0.5, 0.5) ** 2 + torch.arange(z.shape[-1]) * 0.1  # global column index
+        # options passed by keyword, as modules pass them (nn.GELU: approximate=, nn.ReLU: inplace=)
+        z = torch.add(z, torch.nn.functional.gelu(y, approximate="tanh"), alpha=0.5)
+        z = torch.nn.functional.relu(z * 1.5, inplace=True) - torch.nn.functional.leaky_relu(z, negative_slope=0.2)
         return torch.where(z > 0, z, -z).float().contiguous()
 
     check(op, [x, y, gate, bias, pos], sharded=[0, 1], axes=axes(layout))

@@ -21,7 +21,7 @@ from torch._jit_internal import boolean_dispatched
 from torch.utils._pytree import tree_map
 
 from ..layout import LayoutError
-from ..tensor import fallback, name_of
+from ..tensor import _dynamo_compiling, fallback, name_of
 
 _ALIASES = {"axis": "dim", "keepdims": "keepdim"}  # numpy spellings torch's parser accepts
 
@@ -76,7 +76,7 @@ class Binding:
         ``positional`` of them also by position, receives exactly the bound arguments; ``None`` where the call must
         be bound (torch's and the function's parameters differ, a numpy alias, ``out=``, or under dynamo). Decided
         once per call shape: the common path of every bound handler, without building the arguments by name."""
-        if torch.compiler.is_dynamo_compiling():
+        if _dynamo_compiling():
             return None
         key = self._call_shape(args, kwargs)
         try:
@@ -127,7 +127,7 @@ def _handler(func: Callable, impl: Callable) -> Callable:
     def handler(*args, **kwargs):
         passed = binding.passing(args, kwargs, positional, names)
         if passed is not None:
-            return impl(*args, **kwargs, **passed)
+            return impl(*args, **kwargs, **passed) if passed else impl(*args, **kwargs)
         arguments = binding.bind(args, kwargs)
         if arguments is None:
             return fallback(func, args, kwargs)

@@ -28,10 +28,11 @@ def ntuple(value: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
     return value
 
 
-def require_replicated(op: str, **tensors: torch.Tensor | None) -> None:
-    for name, t in tensors.items():
-        if isinstance(t, SpatialTensor):
-            raise LayoutError(f"{op}: {name} is sharded; weights and biases must be replicated (plain tensors)")
+def require_replicated(op: str, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    """Weights and biases are replicated (plain tensors); a sharded one is an error naming it."""
+    if isinstance(weight, SpatialTensor) or isinstance(bias, SpatialTensor):
+        name = "weight" if isinstance(weight, SpatialTensor) else "bias"
+        raise LayoutError(f"{op}: {name} is sharded; weights and biases must be replicated (plain tensors)")
 
 
 def spatial_shards(op: str, x: torch.Tensor, layout: Layout, nd: int) -> dict[int, DimShard]:

@@ -91,7 +91,7 @@ def _convolution(nd: int):
 
     def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         x, layout = unwrap(input)
-        require_replicated(op, weight=weight, bias=bias)
+        require_replicated(op, weight, bias)
         given = (layout, weight.shape, stride, padding, dilation)
         plan = plans.find(given)
         if plan is None:
@@ -123,7 +123,7 @@ def _transposed(nd: int):
 
     def conv_transpose(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
         x, layout = unwrap(input)
-        require_replicated(op, weight=weight, bias=bias)
+        require_replicated(op, weight, bias)
         kernel = tuple(weight.shape[2:])
         stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
         padding, output_padding = ntuple(padding, nd, "padding"), ntuple(output_padding, nd, "output_padding")

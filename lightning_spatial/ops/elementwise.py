@@ -148,9 +148,13 @@ def elementwise(func: Callable) -> Callable:
     inplace = is_inplace(func)
 
     def run(*args, **kwargs):
-        if kwargs or len(args) > 2 or type(args[0]) is not SpatialTensor or _dynamo_compiling():
+        if not 0 < len(args) <= 2 or type(args[0]) is not SpatialTensor or _dynamo_compiling():
             return general(args, kwargs)
-        # the common cases of eager code, on the host path of every activation: ``gelu(x)``, ``x + y``, ``x * scale``
+        for value in kwargs.values():  # options (``approximate=``, ``inplace=``, ``alpha=``) need no localizing
+            if isinstance(value, torch.Tensor):
+                return general(args, kwargs)
+        # the common cases of eager code, on the host path of every activation: ``gelu(x)`` (``nn.GELU`` passes
+        # ``approximate=``), ``x + y``, ``x * scale``
         layout = args[0]._layout
         if len(args) == 2:
             other = args[1]
@@ -160,7 +164,7 @@ def elementwise(func: Callable) -> Callable:
             elif isinstance(other, torch.Tensor):
                 args = (args[0], localize(func, other, layout))
         with _Plain():
-            out = func(*args)
+            out = func(*args, **kwargs)
         if type(out) is torch.Tensor and out is not args[-1]:  # computed here (not a replicated operand returned)
             out.__class__ = SpatialTensor  # ``adopt`` without its checks
             out._layout = layout

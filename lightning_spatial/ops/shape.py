@@ -234,9 +234,9 @@ def one_hot(input, num_classes=-1):
 
 
 def linear(input, weight, bias=None):
-    require_replicated("linear", weight=weight, bias=bias)
+    require_replicated("linear", weight, bias)
     layout = input._layout
-    if layout.get(-1) is not None:
+    if layout.dims[-1] == -1:
         raise LayoutError("linear: the last dim (features) is sharded; shard only spatial dims")
     return adopt(on_shard(F.linear, input, weight, bias), layout)
 
