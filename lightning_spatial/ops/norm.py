@@ -143,7 +143,7 @@ def instance_norm(
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     layout = input._layout
     k = len(normalized_shape) if not isinstance(normalized_shape, int) else 1
-    if layout.dims[-1] < -k:  # over channels only (ConvNeXt's LayerNorm2d): local, torch's kernel as F.layer_norm calls it
+    if layout.dims[-1] < -k:  # over channels only (ConvNeXt's LayerNorm2d): local, as F.layer_norm calls torch's kernel
         return adopt(on_shard(torch.layer_norm, input, normalized_shape, weight, bias, eps, _cudnn_enabled()), layout)
     dims = tuple(range(-k, 0))
     shards = [s for s in layout.shards if s.dim in dims]
