@@ -150,9 +150,10 @@ def elementwise(func: Callable) -> Callable:
     def run(*args, **kwargs):
         if not 0 < len(args) <= 2 or type(args[0]) is not SpatialTensor or _dynamo_compiling():
             return general(args, kwargs)
-        for value in kwargs.values():  # options (``approximate=``, ``inplace=``, ``alpha=``) need no localizing
-            if isinstance(value, torch.Tensor):
-                return general(args, kwargs)
+        if kwargs:  # options (``approximate=``, ``inplace=``, ``alpha=``) need no localizing
+            for value in kwargs.values():
+                if isinstance(value, torch.Tensor):
+                    return general(args, kwargs)
         # the common cases of eager code, on the host path of every activation: ``gelu(x)`` (``nn.GELU`` passes
         # ``approximate=``), ``x + y``, ``x * scale``
         layout = args[0]._layout
@@ -164,7 +165,7 @@ def elementwise(func: Callable) -> Callable:
             elif isinstance(other, torch.Tensor):
                 args = (args[0], localize(func, other, layout))
         with _Plain():
-            out = func(*args, **kwargs)
+            out = func(*args, **kwargs) if kwargs else func(*args)
         if type(out) is torch.Tensor and out is not args[-1]:  # computed here (not a replicated operand returned)
             out.__class__ = SpatialTensor  # ``adopt`` without its checks
             out._layout = layout
