@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import Layout, conv_out_size, conv_window, transposed_window
-from ..tensor import adopt, unwrap
+from ..tensor import _dynamo_compiling, adopt, unwrap
 from ._binding import bound
 from ._common import (
     AsGiven,
@@ -35,6 +35,8 @@ _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
     """Under autocast, cast before the halo exchange as the conv would after it: halos travel and windows
     are copied in bf16/fp16 instead of fp32 (the conv then sees its compute dtype and casts nothing)."""
+    if not _dynamo_compiling() and not torch._C._is_any_autocast_enabled():
+        return x  # no autocast at all (fp32): 0.6 us less than asking about the tensor's device
     if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         return x.to(dtype) if x.dtype != dtype and x.dtype in (torch.float32, torch.float64) else x
