@@ -257,7 +257,8 @@ def test_dispatch_overhead_smoke():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines()[1:]]
-    assert len(rows) == 13 and [r[1] for r in rows[-2:]] == ["forward", "fwd+bwd"]
+    assert len(rows) == 14 and [r[1] for r in rows[-2:]] == ["forward", "fwd+bwd"]
+    assert ["gelu,", "as", "nn.GELU", "calls", "it"] in [r[:5] for r in rows]  # the module path, options by keyword
     assert [r[:3] for r in rows[-4:-2]] == [["gelu,", "protocol", "alone"], ["add,", "protocol", "alone"]]
 
 
