@@ -155,7 +155,9 @@ class NuScenesDetection(Metric):
         xy = rows[:, XY]
         return np.sqrt(xy[:, 0] * xy[:, 0] + xy[:, 1] * xy[:, 1]) < limit
 
-    def _ignored(self, rows: np.ndarray, sample: np.ndarray, regions: np.ndarray, region_sample: np.ndarray):
+    def _ignored(
+        self, rows: np.ndarray, sample: np.ndarray, regions: np.ndarray, region_sample: np.ndarray
+    ) -> np.ndarray:
         """Boxes of an ignore class whose centre lies inside a region of their sample, bounds included (the
         devkit's ``points_in_box`` on the bike racks)."""
         ignored = np.zeros(len(rows), dtype=bool)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import sys
 import types
 
 import numpy as np
@@ -266,36 +263,17 @@ def test_two_ranks_give_the_single_process_result(split):
 
 @pytest.fixture(scope="module")
 def devkit():
-    """The devkit's evaluation modules, imported without ``nuscenes/__init__.py``: that imports the dataset
-    API and with it OpenCV, scikit-learn and matplotlib, which evaluation never uses and which do not fit our
-    environment (nuscenes-devkit 1.2.0 pins numpy<2). ``Box``, used only to move boxes between frames, is
-    stubbed. Install: ``pip install --no-deps nuscenes-devkit==1.2.0 pyquaternion``."""
-    spec = importlib.util.find_spec("nuscenes")
-    if spec is None or importlib.util.find_spec("pyquaternion") is None:
-        pytest.skip(
-            "needs nuscenes-devkit, kept out of the dev extras by its numpy<2 pin: "
-            "pip install --no-deps nuscenes-devkit==1.2.0 pyquaternion"
-        )
-    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "nuscenes"}
-    package = types.ModuleType("nuscenes")
-    package.__path__ = list(spec.submodule_search_locations)
-    boxes = types.ModuleType("nuscenes.utils.data_classes")
-    boxes.Box = None
-    sys.modules.update({"nuscenes": package, "nuscenes.utils.data_classes": boxes})
+    """The devkit's evaluation modules (bin/setup installs the devkit)."""
     try:
+        from nuscenes.eval.common.config import config_factory
         from nuscenes.eval.common.data_classes import EvalBoxes
         from nuscenes.eval.detection import algo, data_classes
         from nuscenes.eval.detection.constants import ATTRIBUTE_NAMES, DETECTION_NAMES, TP_METRICS
-
-        config = package.__path__[0] + "/eval/detection/configs/detection_cvpr_2019.json"
-        with open(config) as f:
-            cfg = data_classes.DetectionConfig.deserialize(json.load(f))
-        yield types.SimpleNamespace(algo=algo, data=data_classes, EvalBoxes=EvalBoxes, cfg=cfg,
-                                    attributes=ATTRIBUTE_NAMES, names=DETECTION_NAMES, tp=TP_METRICS)  # fmt: skip
-    finally:
-        for name in [name for name in sys.modules if name.split(".")[0] == "nuscenes"]:
-            del sys.modules[name]
-        sys.modules.update(saved)
+    except ImportError as error:
+        pytest.skip(f"needs the nuScenes devkit and its imports, as bin/setup installs them ({error})")
+    return types.SimpleNamespace(algo=algo, data=data_classes, EvalBoxes=EvalBoxes,
+                                 cfg=config_factory("detection_cvpr_2019"), attributes=ATTRIBUTE_NAMES,
+                                 names=DETECTION_NAMES, tp=TP_METRICS)  # fmt: skip
 
 
 def devkit_evaluate(dk, samples):
