@@ -2,7 +2,7 @@
 surround-camera sources (synthetic, nuScenes, packed records) that all produce the shared BEV batch
 (``collate_surround``)."""
 
-from .batch import CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample, collate_surround, normalise
+from .batch import ATTRIBUTES, CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample, collate_surround, normalise
 from .folder import ImageFolderData
 from .nuscenes import NuScenes, NuScenesSurround
 from .records import DEFAULT_FORMAT, PackedSurround, write_records
@@ -10,6 +10,7 @@ from .scenes import SyntheticScenes
 from .surround import SurroundScenes, SurroundSynthetic
 
 __all__ = [
+    "ATTRIBUTES",
     "CAMERAS",
     "CLASSES",
     "DEFAULT_FORMAT",

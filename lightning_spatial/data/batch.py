@@ -3,8 +3,12 @@
 A *sample* holds ``images`` as uint8 ``(N, 3, H, W)`` (what cameras and JPEGs give: 4x less to store, pickle
 between DataLoader workers and pin than float32), ``lidar2img``/``cam2ego`` float32 ``(N, 4, 4)``,
 ``intrinsics`` float32 ``(N, 3, 3)``, ``boxes`` float32 ``(m, 9)`` and ``labels`` int64 ``(m,)``; temporal
-samples add ``prev_images``/``prev_lidar2img``. ``collate_surround`` turns samples into the batch the models
-read: images normalised to float32, camera tensors stacked, boxes and labels kept as per-sample lists.
+samples add ``prev_images``/``prev_lidar2img``. Box velocities (vx, vy) may be NaN: unknown, as the nuScenes
+devkit has them for a lone annotation. Samples may add what the detection metric scores and filters by:
+``attributes`` int64 ``(m,)`` indexing ``ATTRIBUTES`` (-1: none) and ``ignore_regions`` float32 ``(k, 7)``
+boxes (x, y, z, w, l, h, yaw; e.g. bike racks). ``collate_surround`` turns samples into the batch the models
+read: images normalised to float32, camera tensors stacked, the per-box and per-region fields kept as
+per-sample lists.
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ CLASSES = (
     "traffic_cone",
     "barrier",
 )
+# The nuScenes devkit's detection attributes, in its order (attribute ids index them).
+ATTRIBUTES = (
+    "pedestrian.moving",
+    "pedestrian.sitting_lying_down",
+    "pedestrian.standing",
+    "cycle.with_rider",
+    "cycle.without_rider",
+    "vehicle.moving",
+    "vehicle.parked",
+    "vehicle.stopped",
+)
 CAMERAS = ("CAM_FRONT", "CAM_FRONT_LEFT", "CAM_FRONT_RIGHT", "CAM_BACK", "CAM_BACK_LEFT", "CAM_BACK_RIGHT")
 BOX_FIELDS = ("x", "y", "z", "w", "l", "h", "yaw", "vx", "vy")
 POINT_CLOUD_RANGE = (-51.2, -51.2, -5.0, 51.2, 51.2, 3.0)
@@ -31,7 +46,8 @@ STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 _SCALE, _SHIFT = 1 / (255 * STD), -MEAN / STD  # normalise as one multiply-add
 
 _CAMERA_FIELDS = {"lidar2img": (4, 4), "intrinsics": (3, 3), "cam2ego": (4, 4), "prev_lidar2img": (4, 4)}
-_LISTS = ("boxes", "labels")
+REGION_FIELDS = BOX_FIELDS[:7]
+_LISTS = ("boxes", "labels", "attributes", "ignore_regions")  # per-sample lengths: kept as lists in a batch
 
 
 def normalise(images: torch.Tensor) -> torch.Tensor:
@@ -68,6 +84,7 @@ def check_sample(sample: dict, where: str, size: tuple[int, int] | None = None, 
     if boxes.dim() != 2 or boxes.shape[1] != len(BOX_FIELDS):
         fail(f"boxes must be (m, {len(BOX_FIELDS)}) {BOX_FIELDS}, got {tuple(boxes.shape)}")
     bad = ~torch.isfinite(boxes)
+    bad[:, 7:] &= ~boxes[:, 7:].isnan()  # an unknown velocity is NaN
     if bad.any():
         row, col = bad.nonzero()[0].tolist()
         fail(f"boxes row {row} has a non-finite {BOX_FIELDS[col]} ({boxes[row, col].item()})")
@@ -75,19 +92,43 @@ def check_sample(sample: dict, where: str, size: tuple[int, int] | None = None, 
         fail(f"labels must be int64 ({boxes.shape[0]},) to match the boxes, got {labels.dtype} {tuple(labels.shape)}")
     if labels.numel() and not (0 <= labels.min() and labels.max() < len(CLASSES)):
         fail(f"labels must lie in [0, {len(CLASSES)}), got {labels.tolist()}")
+    attributes = sample.get("attributes")
+    if attributes is not None:
+        if attributes.dtype != torch.int64 or attributes.shape != labels.shape:
+            got = f"{attributes.dtype} {tuple(attributes.shape)}"
+            fail(f"attributes must be int64 ({len(labels)},) to match the boxes, got {got}")
+        if attributes.numel() and not (-1 <= attributes.min() and attributes.max() < len(ATTRIBUTES)):
+            fail(f"attributes must lie in [-1, {len(ATTRIBUTES)}) (-1: none), got {attributes.tolist()}")
+    regions = sample.get("ignore_regions")
+    if regions is not None and (
+        not regions.is_floating_point() or regions.dim() != 2 or regions.shape[1] != len(REGION_FIELDS)
+    ):
+        fail(f"ignore_regions must be float (k, {len(REGION_FIELDS)}) {REGION_FIELDS}, got {regions.dtype} "
+             f"{tuple(regions.shape)}")  # fmt: skip
     return sample
 
 
 def collate_surround(samples: list[dict]) -> dict:
-    """Samples -> batch: normalised float32 images, stacked camera tensors, lists of boxes and labels."""
+    """Samples -> batch: normalised float32 images, stacked camera tensors, per-sample lists of boxes, labels,
+    attributes and ignore regions (those the samples have)."""
     shapes = {tuple(s["images"].shape) for s in samples}
     if len(shapes) > 1:
         raise ValueError(f"collate_surround: samples disagree on images (N, 3, H, W): {sorted(shapes)}")
-    batch = {key: [s[key] for s in samples] for key in _LISTS}
+    batch = {key: [s[key] for s in samples] for key in _LISTS if key in samples[0]}
     for key in (k for k in samples[0] if k not in _LISTS):  # the sample's order: the same in every process
         stacked = torch.stack([s[key] for s in samples])
         batch[key] = normalise(stacked) if key.endswith("images") else stacked
     return batch
 
 
-__all__ = ["BOX_FIELDS", "CAMERAS", "CLASSES", "POINT_CLOUD_RANGE", "check_sample", "collate_surround", "normalise"]
+__all__ = [
+    "ATTRIBUTES",
+    "BOX_FIELDS",
+    "CAMERAS",
+    "CLASSES",
+    "POINT_CLOUD_RANGE",
+    "REGION_FIELDS",
+    "check_sample",
+    "collate_surround",
+    "normalise",
+]

@@ -35,6 +35,12 @@ def yaw_matrix(yaw: float) -> torch.Tensor:
     return torch.tensor([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64)
 
 
+def gravity_aligned(pose: torch.Tensor) -> torch.Tensor:
+    """``pose`` (4, 4) turned about z alone: the heading of its x axis in the x-y plane, its translation kept."""
+    rotation = pose[:3, :3].double()
+    return rigid(yaw_matrix(math.atan2(rotation[1, 0], rotation[0, 0])), pose[:3, 3].double())
+
+
 def quaternion_matrix(q) -> torch.Tensor:
     """Rotation matrix (float64) of a quaternion given as (w, x, y, z), as nuScenes stores them; normalised first."""
     q = torch.as_tensor(q, dtype=torch.float64)
@@ -68,4 +74,12 @@ def projection(intrinsics: torch.Tensor, cam2ego: torch.Tensor) -> torch.Tensor:
     return k @ rigid_inverse(cam2ego)
 
 
-__all__ = ["projection", "quaternion_matrix", "rigid", "rigid_inverse", "scale_intrinsics", "yaw_matrix"]
+__all__ = [
+    "gravity_aligned",
+    "projection",
+    "quaternion_matrix",
+    "rigid",
+    "rigid_inverse",
+    "scale_intrinsics",
+    "yaw_matrix",
+]

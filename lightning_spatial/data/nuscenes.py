@@ -1,16 +1,21 @@
 """nuScenes reader: the devkit's JSON tables and ``samples/CAM_*`` images -> the shared surround batch.
 
 Point ``root`` at a copy laid out as the devkit expects (``root/v1.0-mini/*.json``, ``root/samples/CAM_*``);
-the devkit itself is not needed. Per key-frame sample:
+the devkit itself is not needed. Per key-frame sample it performs the ground-truth side of the devkit's
+``load_gt`` and the box-level part of ``filter_eval_boxes`` (docs/data.md lists each step):
 
-- the ego frame is the ego pose at the sample's LIDAR_TOP key frame (CAM_FRONT's when there is no lidar);
-  each camera's own ego pose (its timestamp differs by a few ms) goes into its ``cam2ego``;
+- the ego frame is the ego pose at the sample's LIDAR_TOP key frame (CAM_FRONT's when there is no lidar),
+  gravity-aligned: its translation and its yaw, no pitch or roll, so that x-y distances, yaws and velocities
+  are the devkit's global x-y ones turned about z; each camera's own full ego pose (its timestamp differs by a
+  few ms) goes into its ``cam2ego``;
 - images are resized to ``height x width`` with the intrinsics scaled to match (pixel-centre exact);
 - annotations map to the ten detection classes as the devkit's ``category_to_detection_name`` does; boxes
   without lidar or radar points are dropped (the devkit's ground-truth filter), as are boxes whose centre is
-  outside the point-cloud range; global positions, yaws and velocities are turned into the ego frame;
+  outside the point-cloud range in x or y (the default range holds every class range of the metric);
 - velocity is the devkit's ``box_velocity`` (centred difference over the neighbouring annotations, at most
-  1.5 s apart per step); where it is undefined (a lone annotation) it is 0, as mmdetection3d stores it;
+  1.5 s apart per step), NaN where it is undefined (a lone annotation or too long a gap), as the devkit has it;
+- ``attributes``: an annotation's single attribute, -1 if it has none (the devkit's ``load_gt``);
+- ``ignore_regions``: the sample's bike racks, in which the metric drops bicycles and motorcycles;
 - ``temporal=True`` adds the previous key frame (0.5 s earlier; the first sample of a scene reuses itself)
   with ``prev_lidar2img`` from the current ego frame.
 """
@@ -27,9 +32,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .batch import CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample
+from .batch import ATTRIBUTES, CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample
 from .datamodule import SurroundDataModule
-from .geometry import projection, quaternion_matrix, rigid, rigid_inverse, scale_intrinsics
+from .geometry import gravity_aligned, projection, quaternion_matrix, rigid, rigid_inverse, scale_intrinsics
 from .records import DEFAULT_FORMAT
 
 # Table -> the fields this reader uses (checked on load so a broken export names its file and field).
@@ -60,9 +65,29 @@ TABLES = {
         "next",
         "num_lidar_pts",
         "num_radar_pts",
+        "attribute_tokens",
     ),
     "instance": ("token", "category_token"),
     "category": ("token", "name"),
+    "attribute": ("token", "name"),
+}
+# Table -> field -> the table its token (or list of tokens) points at; "" points at nothing.
+REFERENCES = {
+    "sample": {"scene_token": "scene", "prev": "sample"},
+    "sample_data": {
+        "sample_token": "sample",
+        "ego_pose_token": "ego_pose",
+        "calibrated_sensor_token": "calibrated_sensor",
+    },
+    "calibrated_sensor": {"sensor_token": "sensor"},
+    "sample_annotation": {
+        "sample_token": "sample",
+        "instance_token": "instance",
+        "prev": "sample_annotation",
+        "next": "sample_annotation",
+        "attribute_tokens": "attribute",
+    },
+    "instance": {"category_token": "category"},
 }
 DETECTION_NAME = {
     "movable_object.barrier": "barrier",
@@ -93,23 +118,40 @@ MINI_SPLITS = {
     ),
     "val": ("scene-0103", "scene-0916"),
 }
+BIKE_RACK = "static_object.bicycle_rack"  # the devkit's filter_eval_boxes drops bicycles and motorcycles in these
 MAX_TIME_DIFF = 1.5  # seconds between neighbouring annotations for a velocity (the devkit's default)
 
 
 def load_tables(root, version: str) -> dict[str, dict[str, dict]]:
-    """Each table as {token: record}; a missing table file or field raises naming it."""
+    """Each table as {token: record}; a missing or corrupt table file, a missing field or a token pointing at
+    no record raises naming the file (and the record)."""
     folder = Path(root) / version
     tables = {}
     for name, fields in TABLES.items():
         path = folder / f"{name}.json"
         if not path.exists():
             raise FileNotFoundError(f"nuScenes table missing: {path} (a {version} folder holds {sorted(TABLES)}.json)")
-        records = json.loads(path.read_text())
+        try:
+            records = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error}); restore it from the nuScenes download") from error
+        if not isinstance(records, list):
+            raise ValueError(f"{path}: expected a JSON list of records, got {type(records).__name__}")
         for record in records:
             missing = [f for f in fields if f not in record]
             if missing:
                 raise ValueError(f"{path}: record {record.get('token', '?')} lacks field(s) {missing}")
         tables[name] = {record["token"]: record for record in records}
+    for name, fields in REFERENCES.items():
+        for record in tables[name].values():
+            for field, target in fields.items():
+                tokens = record[field] if isinstance(record[field], list) else [record[field]]
+                for token in tokens:
+                    if token and token not in tables[target]:
+                        raise ValueError(
+                            f"{folder / name}.json: record {record['token']} has {field} {token}, which is not in "
+                            f"{folder / target}.json"
+                        )
     return tables
 
 
@@ -164,16 +206,14 @@ class NuScenesSurround(Dataset):
         reference = frames.get("LIDAR_TOP") or frames.get("CAM_FRONT")
         if reference is None:
             raise ValueError(f"{self.where['sample_data']}: sample {token} has no LIDAR_TOP or CAM_FRONT key frame")
-        ego2global = self._pose(reference["ego_pose_token"])
+        ego2global = gravity_aligned(self._pose(reference["ego_pose_token"]))
         images, intrinsics, cam2ego = self._cameras(token, ego2global)
-        boxes, labels = self._boxes(token, ego2global)
         sample = {
             "images": images,
             "lidar2img": projection(intrinsics, cam2ego),
             "intrinsics": intrinsics,
             "cam2ego": cam2ego,
-            "boxes": boxes,
-            "labels": labels,
+            **self._annotations(token, rigid_inverse(ego2global)),
         }
         if self.temporal:
             previous = self.tables["sample"][token]["prev"] or token
@@ -223,40 +263,70 @@ class NuScenesSurround(Dataset):
             image = image.convert("RGB").resize(self.size[::-1], Image.Resampling.BILINEAR)
         return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(*self.size, 3).permute(2, 0, 1)
 
-    def _boxes(self, token: str, ego2global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t, global2ego = self.tables, rigid_inverse(ego2global)
-        rows, labels = [], []
+    def _annotations(self, token: str, global2ego: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``boxes``, ``labels`` and ``attributes`` of the detection-class annotations with lidar or radar points
+        centred in the x-y range, and ``ignore_regions``: every bike rack of the sample."""
+        t = self.tables
+        rows, labels, attributes, racks = [], [], [], []
         for ann in self.annotations[token]:
             category = t["category"][t["instance"][ann["instance_token"]]["category_token"]]["name"]
             name = DETECTION_NAME.get(category)
-            if name is None or ann["num_lidar_pts"] + ann["num_radar_pts"] == 0:
-                continue
-            for field in ("translation", "size", "rotation"):  # before the range filter drops a NaN silently
-                if not all(map(math.isfinite, ann[field])):
-                    raise ValueError(
-                        f"{self.where['sample_annotation']}: annotation {ann['token']} (sample {token}) "
-                        f"has a non-finite {field} {ann[field]}"
-                    )
-            centre = global2ego[:3, :3] @ torch.tensor(ann["translation"], dtype=torch.float64) + global2ego[:3, 3]
-            heading = global2ego[:3, :3] @ quaternion_matrix(ann["rotation"])[:, 0]
-            velocity = global2ego[:3, :3] @ self._velocity(ann)
-            rows.append([*centre.tolist(), *ann["size"], math.atan2(heading[1], heading[0]), *velocity[:2].tolist()])
-            labels.append(CLASSES.index(name))
+            if category == BIKE_RACK:
+                racks.append(self._box(ann, global2ego))
+            elif name is not None and ann["num_lidar_pts"] + ann["num_radar_pts"] > 0:
+                velocity = global2ego[:3, :3] @ self._velocity(ann)
+                rows.append([*self._box(ann, global2ego), *velocity[:2].tolist()])
+                labels.append(CLASSES.index(name))
+                attributes.append(self._attribute(ann))
         boxes = torch.tensor(rows, dtype=torch.float32).reshape(-1, 9)
-        low, high = torch.tensor(self.pc_range[:3]), torch.tensor(self.pc_range[3:])
-        keep = ((boxes[:, :3] >= low) & (boxes[:, :3] <= high)).all(1)
-        return boxes[keep], torch.tensor(labels, dtype=torch.int64)[keep]
+        low, high = torch.tensor(self.pc_range[:2]), torch.tensor(self.pc_range[3:5])
+        keep = ((boxes[:, :2] >= low) & (boxes[:, :2] <= high)).all(1)
+        return {
+            "boxes": boxes[keep],
+            "labels": torch.tensor(labels, dtype=torch.int64)[keep],
+            "attributes": torch.tensor(attributes, dtype=torch.int64)[keep],
+            "ignore_regions": torch.tensor(racks, dtype=torch.float32).reshape(-1, 7),
+        }
+
+    def _box(self, ann: dict, global2ego: torch.Tensor) -> list[float]:
+        """x, y, z, w, l, h, yaw of an annotation in the ego frame."""
+        for field in ("translation", "size", "rotation"):  # before the range filter drops a NaN silently
+            if not all(map(math.isfinite, ann[field])):
+                raise ValueError(
+                    f"{self.where['sample_annotation']}: annotation {ann['token']} (sample {ann['sample_token']}) "
+                    f"has a non-finite {field} {ann[field]}"
+                )
+        centre = global2ego[:3, :3] @ torch.tensor(ann["translation"], dtype=torch.float64) + global2ego[:3, 3]
+        heading = global2ego[:3, :3] @ quaternion_matrix(ann["rotation"])[:, 0]
+        return [*centre.tolist(), *ann["size"], math.atan2(heading[1], heading[0])]
+
+    def _attribute(self, ann: dict) -> int:
+        """The index in ATTRIBUTES of an annotation's one attribute, -1 if it has none (the devkit's rule)."""
+        tokens = ann["attribute_tokens"]
+        if len(tokens) > 1:
+            raise ValueError(
+                f"{self.where['sample_annotation']}: annotation {ann['token']} has {len(tokens)} attributes "
+                f"{tokens}; the devkit's detection ground truth allows at most one"
+            )
+        if not tokens:
+            return -1
+        name = self.tables["attribute"][tokens[0]]["name"]
+        if name not in ATTRIBUTES:
+            raise ValueError(f"{self.where['attribute']}: attribute {tokens[0]} is {name!r}, not one of {ATTRIBUTES}")
+        return ATTRIBUTES.index(name)
 
     def _velocity(self, ann: dict) -> torch.Tensor:
-        """Global velocity (3,) from the neighbouring annotations of the same instance (the devkit's rule)."""
+        """Global velocity (3,) from the neighbouring annotations of the same instance, NaN where undefined:
+        the devkit's ``box_velocity``, with its arithmetic."""
         anns, samples = self.tables["sample_annotation"], self.tables["sample"]
         first = anns[ann["prev"]] if ann["prev"] else ann
         last = anns[ann["next"]] if ann["next"] else ann
-        seconds = 1e-6 * (samples[last["sample_token"]]["timestamp"] - samples[first["sample_token"]]["timestamp"])
+        seconds = 1e-6 * samples[last["sample_token"]]["timestamp"] - 1e-6 * samples[first["sample_token"]]["timestamp"]
         steps = bool(ann["prev"]) + bool(ann["next"])
         if steps == 0 or seconds > MAX_TIME_DIFF * steps:
-            return torch.zeros(3, dtype=torch.float64)
-        return (torch.tensor(last["translation"]) - torch.tensor(first["translation"])).double() / seconds
+            return torch.full((3,), math.nan, dtype=torch.float64)
+        end, start = (torch.tensor(a["translation"], dtype=torch.float64) for a in (last, first))
+        return (end - start) / seconds
 
 
 class NuScenes(SurroundDataModule):
@@ -297,4 +367,4 @@ class NuScenes(SurroundDataModule):
         return self._datasets
 
 
-__all__ = ["DETECTION_NAME", "MINI_SPLITS", "NuScenes", "NuScenesSurround", "load_tables"]
+__all__ = ["BIKE_RACK", "DETECTION_NAME", "MINI_SPLITS", "NuScenes", "NuScenesSurround", "load_tables"]

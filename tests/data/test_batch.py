@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_spatial.data import check_sample, collate_surround
+from lightning_spatial.data import ATTRIBUTES, check_sample, collate_surround
 
 
 def _sample(boxes: int = 2, cameras: int = 3, size=(4, 6), seed: int = 0) -> dict:
@@ -37,8 +37,51 @@ def test_collate_names_mismatched_camera_counts():
 
 def test_check_names_a_nan_box_field():
     sample = _sample(3)
-    sample["boxes"][1, 7] = float("nan")
-    with pytest.raises(ValueError, match=r"here: boxes row 1 has a non-finite vx"):
+    sample["boxes"][1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"here: boxes row 1 has a non-finite z"):
+        check_sample(sample, "here")
+    sample = _sample(3)
+    sample["boxes"][1, 7] = float("inf")
+    with pytest.raises(ValueError, match=r"here: boxes row 1 has a non-finite vx \(inf\)"):
+        check_sample(sample, "here")
+
+
+def test_check_accepts_an_unknown_velocity():
+    sample = _sample(3)
+    sample["boxes"][1, 7:] = float("nan")  # what the nuScenes devkit has for a lone annotation
+    assert check_sample(sample, "here") is sample
+
+
+def _with_metric_fields(sample: dict, regions: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    sample["attributes"] = torch.randint(-1, len(ATTRIBUTES), (len(sample["labels"]),), generator=g)
+    sample["ignore_regions"] = torch.randn(regions, 7, generator=g)
+    return sample
+
+
+def test_collate_keeps_attributes_and_ignore_regions_as_lists():
+    samples = [_with_metric_fields(_sample(2, seed=0), 1, 0), _with_metric_fields(_sample(3, seed=1), 0, 1)]
+    batch = collate_surround(samples)
+    for key in ("attributes", "ignore_regions"):
+        assert len(batch[key]) == 2 and all(torch.equal(b, s[key]) for b, s in zip(batch[key], samples))
+    assert "attributes" not in collate_surround([_sample(2)])  # an optional field stays absent
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("attributes", torch.tensor([0, 1, 2]), r"attributes must be int64 \(2,\) to match the boxes, got .* \(3,\)"),
+        ("attributes", torch.tensor([0.0, 1.0]), r"attributes must be int64 \(2,\) .* got torch.float32"),
+        ("attributes", torch.tensor([3, 8]), r"attributes must lie in \[-1, 8\) \(-1: none\), got \[3, 8\]"),
+        ("ignore_regions", torch.zeros(2, 9), r"ignore_regions must be float \(k, 7\) \(.x., .*\), got .*\(2, 9\)"),
+        ("ignore_regions", torch.zeros(2, 7, dtype=torch.int64), r"ignore_regions must be float \(k, 7\)"),
+    ],
+)
+def test_check_names_bad_attributes_and_ignore_regions(field, value, message):
+    sample = _with_metric_fields(_sample(2), 1, 0)
+    assert check_sample(sample, "here") is sample
+    sample[field] = value
+    with pytest.raises(ValueError, match=f"here: {message}"):
         check_sample(sample, "here")
 
 

@@ -13,75 +13,39 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_spatial.data import CAMERAS, CLASSES, NuScenes, NuScenesSurround
+from lightning_spatial.data import ATTRIBUTES, CAMERAS, CLASSES, NuScenes, NuScenesSurround
+from tests.data.nuscenes_folder import COLOURS, NuScenesFolder, yaw_quaternion
 
-YAW90 = [math.cos(math.pi / 4), 0.0, 0.0, math.sin(math.pi / 4)]  # (w, x, y, z)
-FRONT = [0.5, -0.5, 0.5, -0.5]  # camera x right, y down, z forward -> ego (x forward, y left, z up)
-COLOURS = {name: (40 * i + 20, 200 - 30 * i, 90) for i, name in enumerate(CAMERAS)}
+YAW90 = yaw_quaternion(math.pi / 2)
 
 
-def _annotation(token, k, instance, ego_xyz, yaw_deg=120.0, lidar=10, radar=0, prev="", next=""):
+def _annotation(folder, token, k, instance, ego_xyz, yaw_deg=120.0, size=(1.9, 4.5, 1.6), **kwargs):
     x, y, z = ego_xyz  # ego frame of key frame k: global = R(90 deg) @ (x, y) + (100, 200 + k)
-    half = math.radians(yaw_deg) / 2
-    return {"token": token, "sample_token": f"s{k}", "instance_token": instance, "visibility_token": "4",
-            "attribute_tokens": [], "translation": [100 - y, 200 + k + x, z], "size": [1.9, 4.5, 1.6],
-            "rotation": [math.cos(half), 0, 0, math.sin(half)], "prev": prev, "next": next,
-            "num_lidar_pts": lidar, "num_radar_pts": radar}  # fmt: skip
+    translation = [100 - y, 200 + k + x, z]
+    return folder.annotation(token, f"s{k}", instance, translation, size, yaw_quaternion(math.radians(yaw_deg)),
+                             **kwargs)  # fmt: skip
 
 
 def write_nuscenes(root, size=(90, 160)):
-    tables = {name: [] for name in ("scene", "sample", "sample_data", "calibrated_sensor", "sensor", "ego_pose",
-                                    "sample_annotation", "instance", "category", "log")}  # fmt: skip
-    tables["scene"].append({"token": "sc0", "name": "scene-0001", "log_token": "log0", "nbr_samples": 3,
-                            "first_sample_token": "s0", "last_sample_token": "s2", "description": ""})  # fmt: skip
-    tables["log"].append({"token": "log0", "location": "test"})
-    for k in range(3):
-        tables["sample"].append({"token": f"s{k}", "timestamp": 500_000 * k, "scene_token": "sc0",
-                                 "prev": f"s{k - 1}" if k else "", "next": f"s{k + 1}" if k < 2 else ""})  # fmt: skip
-        tables["ego_pose"] += [
-            {"token": f"ego-lidar-{k}", "timestamp": 500_000 * k, "translation": [100, 200 + k, 0], "rotation": YAW90},
-            {"token": f"ego-cam-{k}", "timestamp": 500_000 * k, "translation": [100, 201 + k, 0], "rotation": YAW90},
-        ]
-    for channel in (*CAMERAS, "LIDAR_TOP"):
-        camera = channel != "LIDAR_TOP"
-        tables["sensor"].append({"token": f"sensor-{channel}", "channel": channel,
-                                 "modality": "camera" if camera else "lidar"})  # fmt: skip
-        tables["calibrated_sensor"].append(
-            {"token": f"cs-{channel}", "sensor_token": f"sensor-{channel}",
-             "translation": [1.5, 0.0, 1.5] if camera else [0.9, 0.0, 1.8],
-             "rotation": FRONT if camera else [1, 0, 0, 0],
-             "camera_intrinsic": [[100.0, 0.0, 80.0], [0.0, 100.0, 45.0], [0.0, 0.0, 1.0]] if camera else []}
-        )  # fmt: skip
-        for k in range(3):
-            filename = f"samples/{channel}/s{k}.jpg" if camera else f"samples/LIDAR_TOP/s{k}.pcd.bin"
-            tables["sample_data"].append(
-                {"token": f"sd-{k}-{channel}", "sample_token": f"s{k}", "calibrated_sensor_token": f"cs-{channel}",
-                 "ego_pose_token": f"ego-cam-{k}" if camera else f"ego-lidar-{k}", "timestamp": 500_000 * k,
-                 "fileformat": "jpg" if camera else "pcd", "is_key_frame": True, "height": size[0] if camera else 0,
-                 "width": size[1] if camera else 0, "filename": filename, "prev": "", "next": ""}
-            )  # fmt: skip
-            if camera:
-                (root / "samples" / channel).mkdir(parents=True, exist_ok=True)
-                Image.new("RGB", size[::-1], COLOURS[channel]).save(root / filename, quality=95)
-    tables["sample_data"].append(dict(tables["sample_data"][0], token="sweep", is_key_frame=False,
-                                      filename="sweeps/CAM_FRONT/missing.jpg"))  # fmt: skip
-    for name in ("vehicle.car", "human.pedestrian.adult", "vehicle.bus.rigid", "animal"):
-        tables["category"].append({"token": f"cat-{name}", "name": name, "description": ""})
-        tables["instance"].append({"token": f"inst-{name}", "category_token": f"cat-{name}", "nbr_annotations": 1})
-    car = "inst-vehicle.car"
-    tables["sample_annotation"] += [
-        _annotation("car0", 0, car, (11.5, 0.5, 1.0), next="car1"),
-        _annotation("car1", 1, car, (11.5, 0.5, 1.0), prev="car0", next="car2"),
-        _annotation("car2", 2, car, (11.5, 0.5, 1.0), prev="car1"),
-        _annotation("far1", 1, car, (60.0, 0.0, 1.0)),  # beyond the 51.2 m range
-        _annotation("ped1", 1, "inst-human.pedestrian.adult", (8.0, -3.0, 0.9), lidar=0),  # no lidar/radar points
-        _annotation("bus1", 1, "inst-vehicle.bus.rigid", (-20.0, -5.0, 1.5), yaw_deg=90.0, lidar=0, radar=3),
-        _annotation("dog1", 1, "inst-animal", (6.0, 2.0, 0.3)),  # not a detection class
-    ]
-    (root / "v1.0-mini").mkdir(parents=True)
-    for name, records in tables.items():
-        (root / "v1.0-mini" / f"{name}.json").write_text(json.dumps(records))
-    return root
+    folder = NuScenesFolder(image_size=size)
+    poses = [({"translation": [100, 200 + k, 0], "rotation": YAW90},
+              {"translation": [100, 201 + k, 0], "rotation": YAW90}) for k in range(3)]  # fmt: skip
+    folder.scene("sc0", "scene-0001", [(f"s{k}", 500_000 * k, *poses[k]) for k in range(3)])
+    sweep = dict(folder.tables["sample_data"][0], token="sweep", is_key_frame=False, filename="sweeps/CAM_FRONT/x.jpg")
+    folder.tables["sample_data"].append(sweep)
+    car, bus, bike = (folder.instance(f"inst-{c}", c) for c in ("vehicle.car", "vehicle.bus.rigid", "vehicle.bicycle"))
+    ped, dog = folder.instance("inst-ped", "human.pedestrian.adult"), folder.instance("inst-dog", "animal")
+    high, rack = folder.instance("inst-high", "vehicle.car"), folder.instance("inst-rack", "static_object.bicycle_rack")
+    moving = "vehicle.moving"
+    folder.track([_annotation(folder, f"car{k}", k, car, (11.5, 0.5, 1.0), attribute=moving) for k in range(3)])
+    _annotation(folder, "far1", 1, car, (60.0, 0.0, 1.0))  # beyond the 51.2 m range
+    _annotation(folder, "ped1", 1, ped, (8.0, -3.0, 0.9), lidar=0)  # no lidar/radar points
+    _annotation(folder, "bus1", 1, bus, (-20.0, -5.0, 1.5), yaw_deg=90.0, lidar=0, radar=3)
+    _annotation(folder, "dog1", 1, dog, (6.0, 2.0, 0.3))  # not a detection class
+    _annotation(folder, "high1", 1, high, (15.0, -4.0, 4.5), yaw_deg=90.0)  # above z = 3 m: kept, as the devkit does
+    _annotation(folder, "rack1", 1, rack, (5.0, 8.0, 0.5), yaw_deg=90.0, size=(1.0, 4.0, 1.0), lidar=0)
+    _annotation(folder, "bike1", 1, bike, (6.0, 8.0, 0.6), attribute="cycle.without_rider")  # in the rack
+    return folder.write(root)
 
 
 @pytest.fixture
@@ -108,16 +72,54 @@ def test_cam_front_projects_a_box_centre_to_the_hand_computed_pixel(root):
                                    atol=3, rtol=0)  # fmt: skip
 
 
-def test_boxes_classes_yaw_velocity_and_filters(root):
+def test_boxes_classes_yaw_velocity_attributes_and_filters(root):
     sample = NuScenesSurround(root, height=30, width=80)[1]
-    # kept: the car and the bus (radar points only); dropped: out of range, no points, an animal
-    assert [CLASSES[i] for i in sample["labels"]] == ["car", "bus"]
-    # car: global yaw 120 deg -> 30 deg in the ego frame (yaw 90); global velocity (0, 2) -> (2, 0) in ego
+    # kept: the car, the bus (radar points only), the car 4.5 m up, the bicycle in the rack; dropped: out of
+    # range, no points, an animal
+    assert [CLASSES[i] for i in sample["labels"]] == ["car", "bus", "car", "bicycle"]
+    # car: global yaw 120 deg -> 30 deg in the ego frame (yaw 90); global velocity (0, 2) -> (2, 0) in ego.
+    # Lone annotations have no velocity: NaN, as the devkit's box_velocity.
+    nan = float("nan")
     car = [11.5, 0.5, 1.0, 1.9, 4.5, 1.6, math.radians(30), 2.0, 0.0]
-    bus = [-20.0, -5.0, 1.5, 1.9, 4.5, 1.6, 0.0, 0.0, 0.0]  # a lone annotation: velocity 0
-    torch.testing.assert_close(sample["boxes"], torch.tensor([car, bus]), rtol=0, atol=1e-4)
+    bus = [-20.0, -5.0, 1.5, 1.9, 4.5, 1.6, 0.0, nan, nan]
+    high = [15.0, -4.0, 4.5, 1.9, 4.5, 1.6, 0.0, nan, nan]
+    bike = [6.0, 8.0, 0.6, 1.9, 4.5, 1.6, math.radians(30), nan, nan]
+    expected = torch.tensor([car, bus, high, bike])
+    torch.testing.assert_close(sample["boxes"], expected, rtol=0, atol=1e-4, equal_nan=True)
+    names = [ATTRIBUTES[i] if i >= 0 else None for i in sample["attributes"]]
+    assert names == ["vehicle.moving", None, None, "cycle.without_rider"]
+    # the rack (no points, not a detection class) is the sample's ignore region
+    rack = torch.tensor([[5.0, 8.0, 0.5, 1.0, 4.0, 1.0, 0.0]])
+    torch.testing.assert_close(sample["ignore_regions"], rack, rtol=0, atol=1e-4)
     first = NuScenesSurround(root, height=30, width=80)[0]  # forward difference at the scene start
     torch.testing.assert_close(first["boxes"][0, 7:], torch.tensor([2.0, 0.0]), rtol=0, atol=1e-4)
+    assert first["ignore_regions"].shape == (0, 7)
+
+
+def _edit(root, table: str, edit) -> None:
+    path = root / "v1.0-mini" / f"{table}.json"
+    records = {r["token"]: r for r in json.loads(path.read_text())}
+    edit(records)
+    path.write_text(json.dumps(list(records.values())))
+
+
+def test_ego_frame_is_the_ego_pose_turned_about_z_alone(root):
+    # The lidar's ego pose of s1 pitched by 0.1 rad and rolled by -0.05 rad (after its 90 degree yaw), 2 m up:
+    # the ego frame keeps its yaw and translation only, so the car stays (11.5, 0.5) away in x-y, as the devkit
+    # measures it (global x-y minus the ego translation), its z is 1 - 2, and its yaw 30 degrees.
+    def tilt(poses):
+        # the quaternion of z-y-x Euler angles (yaw, pitch, roll)
+        cy, sy, cp, sp, cr, sr = (f(a / 2) for a in (math.pi / 2, 0.1, -0.05) for f in (math.cos, math.sin))
+        q = [cr * cp * cy + sr * sp * sy, sr * cp * cy - cr * sp * sy, cr * sp * cy + sr * cp * sy,
+             cr * cp * sy - sr * sp * cy]  # fmt: skip
+        poses["ego-lidar-s1"].update(rotation=q, translation=[100, 201, 2.0])
+
+    _edit(root, "ego_pose", tilt)
+    sample = NuScenesSurround(root, height=30, width=80)[1]
+    car = torch.tensor([11.5, 0.5, -1.0, 1.9, 4.5, 1.6, math.radians(30), 2.0, 0.0])
+    torch.testing.assert_close(sample["boxes"][0], car, rtol=0, atol=1e-4)
+    # cam2ego still places CAM_FRONT where its own (untilted) ego pose puts it: 1 m ahead, 2 m lower
+    torch.testing.assert_close(sample["cam2ego"][0, :3, 3], torch.tensor([2.5, 0.0, -0.5]), rtol=0, atol=1e-5)
 
 
 def test_previous_key_frame_is_expressed_from_the_current_ego_frame(root):
@@ -141,6 +143,42 @@ def test_missing_field_names_the_file_and_field(root):
     path.write_text(json.dumps(records))
     with pytest.raises(ValueError, match=r"sample_annotation.json: record car2 lacks field\(s\) \['num_radar_pts'\]"):
         NuScenesSurround(root)
+
+
+def test_corrupt_table_names_its_file(root):
+    path = root / "v1.0-mini" / "instance.json"
+    path.write_text(path.read_text()[:-20])  # cut short, as by an interrupted copy
+    with pytest.raises(ValueError, match=r"v1.0-mini/instance.json: not valid JSON \(.*line 1 column"):
+        NuScenesSurround(root)
+
+
+@pytest.mark.parametrize(
+    "table, token, field, value, target",
+    [
+        ("sample_annotation", "car1", "instance_token", "inst-gone", "instance"),
+        ("sample_annotation", "bus1", "attribute_tokens", ["attr-gone"], "attribute"),
+        ("sample_annotation", "car2", "prev", "car-gone", "sample_annotation"),
+        ("sample_data", "sd-s2-CAM_BACK", "ego_pose_token", "ego-gone", "ego_pose"),
+        ("sample", "s1", "scene_token", "scene-gone", "scene"),
+    ],
+)
+def test_a_token_pointing_at_no_record_names_the_table_record_and_token(root, table, token, field, value, target):
+    _edit(root, table, lambda records: records[token].update({field: value}))
+    missing = value[0] if isinstance(value, list) else value
+    with pytest.raises(
+        ValueError, match=rf"{table}.json: record {token} has {field} {missing}, which is not in .*/{target}.json"
+    ):
+        NuScenesSurround(root)
+
+
+def test_attributes_the_devkit_refuses_raise_naming_the_annotation(root):
+    _edit(root, "sample_annotation", lambda r: r["bus1"].update(attribute_tokens=["attr-vehicle.moving"] * 2))
+    with pytest.raises(ValueError, match=r"sample_annotation.json: annotation bus1 has 2 attributes .* at most one"):
+        NuScenesSurround(root)[1]
+    _edit(root, "sample_annotation", lambda r: r["bus1"].update(attribute_tokens=["attr-vehicle.moving"]))
+    _edit(root, "attribute", lambda r: r["attr-vehicle.moving"].update(name="vehicle.flying"))
+    with pytest.raises(ValueError, match=r"attribute.json: attribute attr-vehicle.moving is 'vehicle.flying', not one"):
+        NuScenesSurround(root)[1]
 
 
 def test_nan_box_names_the_sample_and_field(root):
@@ -168,7 +206,8 @@ def test_datamodule_batches_and_split_errors(root):
     )
     data.setup("fit")
     batch = next(iter(data.val_dataloader()))
-    assert batch["images"].shape == (3, 6, 3, 30, 80) and [len(b) for b in batch["boxes"]] == [1, 2, 1]
+    assert batch["images"].shape == (3, 6, 3, 30, 80) and [len(b) for b in batch["boxes"]] == [1, 4, 1]
+    assert [len(a) for a in batch["attributes"]] == [1, 4, 1] and [len(r) for r in batch["ignore_regions"]] == [0, 1, 0]
     with pytest.raises(ValueError, match=r"needs train_scenes and val_scenes"):
         NuScenes(str(root), version="v1.0-trainval")
     with pytest.raises(ValueError, match=r"scene.json: no scene\(s\) \['scene-0061'"):

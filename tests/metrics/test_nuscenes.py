@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import sys
 import types
 
 import numpy as np
@@ -148,6 +145,28 @@ def test_class_range():
     assert evaluate([near])["AP/car"] == pytest.approx(1.0, abs=1e-15)
 
 
+def test_ignore_regions_drop_bicycles_and_motorcycles_inside_them():
+    # A 4 m x 2 m x 2 m rack turned by 90 degrees (its length along y) in sample A. Inside it (bounds included
+    # in the devkit's points_in_box): a bicycle 1.9 m along and 0.9 m across, a motorcycle, a car (kept: not a
+    # cycle); outside: a bicycle 3 m across, one above the rack. Dropped on both sides: the ground truth inside
+    # and a confident stray prediction inside. Sample B has no rack: its bicycle prediction there is a false
+    # positive. What remains is the precision-recall curve of test_precision_recall_curve_by_hand.
+    rack = [10.0, 0.0, 1.0, 2.0, 4.0, 2.0, math.pi / 2]
+    bike_in, bike_out, bike_high = box(10.9, 1.9), box(13.0, 0.0), [10.0, 1.0, 2.5, 2.0, 4.0, 1.5, 0.0, 0.0, 0.0]
+    moto_in, car_in = box(9.5, -1.5), box(10.0, 0.0)
+    gts = [(bike_in, 7), (bike_out, 7), (bike_high, 7), (moto_in, 6), (car_in, 0)]
+    preds = [(box(10.5, 1.0), 0.99, 7), (bike_out, 0.8, 7), (bike_high, 0.7, 7), (moto_in, 0.9, 6), (car_in, 0.9, 0)]
+    a, b = sample(preds, gts), sample([(bike_in, 0.95, 7)], [])
+    a[1]["ignore_regions"] = torch.tensor([rack])
+    r = evaluate([a, b])
+    assert r["AP/bicycle"] == pytest.approx(32.45 / 81, abs=1e-14) and r["ATE/bicycle"] == 0.0
+    assert (r["AP/motorcycle"], r["AP/car"]) == (0.0, pytest.approx(1.0, abs=1e-15))
+    kept = evaluate([a, b], ignore_classes=())
+    assert kept["AP/motorcycle"] == pytest.approx(1.0, abs=1e-15) and kept["AP/bicycle"] != r["AP/bicycle"]
+    a[1]["ignore_regions"] = torch.tensor([rack[:6] + [0.0]])  # not turned: the bicycle at 0.9 m along is outside
+    assert evaluate([a, b])["AP/bicycle"] != r["AP/bicycle"]
+
+
 @pytest.mark.filterwarnings("ignore:The ``compute`` method of metric NuScenesDetection was called before")
 @pytest.mark.parametrize("case", ["no updates", "no predictions", "no ground truth"])
 def test_empty(case):
@@ -166,6 +185,8 @@ def test_bad_input():
         metric.update([{**pred, "boxes": pred["boxes"][:, :7]}], [gt])
     with pytest.raises(ValueError, match=r"'scores'\] must have shape \(1,\)"):
         metric.update([{**pred, "scores": torch.ones(2)}], [gt])
+    with pytest.raises(ValueError, match=r"target\[0\]\['ignore_regions'\] must be float \(k, 7\).* \(2, 9\)"):
+        metric.update([pred], [{**gt, "ignore_regions": torch.zeros(2, 9)}])
     with pytest.raises(ValueError, match="class_range has no range for"):
         NuScenesDetection(classes=("car", "tram"))
     metric.update([{**pred, "labels": torch.tensor([10])}], [gt])
@@ -173,10 +194,11 @@ def test_bad_input():
         metric.compute()
 
 
-def random_samples(n, seed, dtype=torch.float64):
+def random_samples(n, seed, dtype=torch.float64, regions=False):
     """Ground truth in clusters (neighbours within matching distance), within and beyond the class ranges;
     noisy detections of most of it, some twice, some with a wrong label or attribute; stray detections;
-    scores on a coarse grid (ties); some ground truth without attribute or velocity."""
+    scores on a coarse grid (ties); some ground truth without attribute or velocity; with ``regions``, up to
+    three ignore regions around the clusters."""
     g = np.random.default_rng(seed)
     samples = []
     for _ in range(n):
@@ -204,6 +226,10 @@ def random_samples(n, seed, dtype=torch.float64):
                 "attributes": torch.tensor(attributes)}  # fmt: skip
         gt = {"boxes": torch.tensor(gt_boxes, dtype=dtype), "labels": torch.tensor(gt_labels),
               "attributes": torch.tensor(gt_attributes)}  # fmt: skip
+        if regions:
+            k = min(m, int(g.integers(0, 4)))  # around ground truth boxes, so that some lie inside
+            region = [xy[:k], g.uniform(-1, 1, (k, 1)), g.uniform(1, 6, (k, 3)), g.uniform(-np.pi, np.pi, (k, 1))]
+            gt["ignore_regions"] = torch.tensor(np.concatenate(region, 1), dtype=dtype)
         samples.append((pred, gt))
     return samples
 
@@ -227,7 +253,9 @@ def _two_ranks(samples, split):
 
 @pytest.mark.parametrize("split", [6, 5, 12], ids=["halves", "uneven", "rank1-idle"])
 def test_two_ranks_give_the_single_process_result(split):
-    run_spmd(_two_ranks, 2, random_samples(12, seed=3), split)
+    samples = random_samples(12, seed=3, regions=True)
+    assert not same(evaluate(samples), evaluate(samples, ignore_classes=()))  # the regions drop boxes
+    run_spmd(_two_ranks, 2, samples, split)
 
 
 # ---- against the official devkit ---------------------------------------------------------------------------
@@ -235,36 +263,17 @@ def test_two_ranks_give_the_single_process_result(split):
 
 @pytest.fixture(scope="module")
 def devkit():
-    """The devkit's evaluation modules, imported without ``nuscenes/__init__.py``: that imports the dataset
-    API and with it OpenCV, scikit-learn and matplotlib, which evaluation never uses and which do not fit our
-    environment (nuscenes-devkit 1.2.0 pins numpy<2). ``Box``, used only to move boxes between frames, is
-    stubbed. Install: ``pip install --no-deps nuscenes-devkit==1.2.0 pyquaternion``."""
-    spec = importlib.util.find_spec("nuscenes")
-    if spec is None or importlib.util.find_spec("pyquaternion") is None:
-        pytest.skip(
-            "needs nuscenes-devkit, kept out of the dev extras by its numpy<2 pin: "
-            "pip install --no-deps nuscenes-devkit==1.2.0 pyquaternion"
-        )
-    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "nuscenes"}
-    package = types.ModuleType("nuscenes")
-    package.__path__ = list(spec.submodule_search_locations)
-    boxes = types.ModuleType("nuscenes.utils.data_classes")
-    boxes.Box = None
-    sys.modules.update({"nuscenes": package, "nuscenes.utils.data_classes": boxes})
+    """The devkit's evaluation modules (bin/setup installs the devkit)."""
     try:
+        from nuscenes.eval.common.config import config_factory
         from nuscenes.eval.common.data_classes import EvalBoxes
         from nuscenes.eval.detection import algo, data_classes
         from nuscenes.eval.detection.constants import ATTRIBUTE_NAMES, DETECTION_NAMES, TP_METRICS
-
-        config = package.__path__[0] + "/eval/detection/configs/detection_cvpr_2019.json"
-        with open(config) as f:
-            cfg = data_classes.DetectionConfig.deserialize(json.load(f))
-        yield types.SimpleNamespace(algo=algo, data=data_classes, EvalBoxes=EvalBoxes, cfg=cfg,
-                                    attributes=ATTRIBUTE_NAMES, names=DETECTION_NAMES, tp=TP_METRICS)  # fmt: skip
-    finally:
-        for name in [name for name in sys.modules if name.split(".")[0] == "nuscenes"]:
-            del sys.modules[name]
-        sys.modules.update(saved)
+    except ImportError as error:
+        pytest.skip(f"needs the nuScenes devkit and its imports, as bin/setup installs them ({error})")
+    return types.SimpleNamespace(algo=algo, data=data_classes, EvalBoxes=EvalBoxes,
+                                 cfg=config_factory("detection_cvpr_2019"), attributes=ATTRIBUTE_NAMES,
+                                 names=DETECTION_NAMES, tp=TP_METRICS)  # fmt: skip
 
 
 def devkit_evaluate(dk, samples):

@@ -193,6 +193,47 @@ def test_diverged_predictions_fail_the_matching_with_a_way_out():
         head.match(logits, codes, [targets], [torch.tensor([0, 1, 2])])
 
 
+def _head_loss(head: str, boxes: list[torch.Tensor], outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    labels = [torch.arange(len(b)) + 2 * i for i, b in enumerate(boxes)]
+    if head == "query":
+        return QueryHead(16, 10, RANGE).loss(outputs, boxes, labels)["loss"]
+    if head == "center":
+        return CenterHead(8, 10, BEVGrid(RANGE, (16, 16)), channels=8).loss(outputs, boxes, labels)["loss"]
+    low, high = torch.tensor(RANGE[:3]), torch.tensor(RANGE[3:])
+    torch.manual_seed(0)  # the same jitter every time
+    dn = denoising_queries(boxes, labels, groups=2, num_queries=4, low=low, extent=high - low, split=0.75)
+    return QueryHead(16, 10, RANGE).denoise_loss(outputs["logits"], outputs["codes"], dn)
+
+
+@pytest.mark.parametrize("head", ["query", "denoise", "center"])
+def test_an_unknown_velocity_adds_nothing_to_the_loss_or_its_gradients(head):
+    """A box whose velocity is NaN (unknown, as nuScenes has it for a lone annotation) trains everything but its
+    velocity. Reference without that term, from finite targets: its velocity terms c |p - v| (p: a predicted
+    velocity, |p| < M) are c (M - p) at v = M, c (M + p) at v = -M and c (2M - p) at v = 2M, so the loss
+    without them is (loss(M) + loss(-M)) / 2 - (loss(2M) - loss(M)), and its gradients (grad(M) + grad(-M)) / 2."""
+    g = torch.Generator().manual_seed(7)
+    boxes = [random_boxes(3, g), random_boxes(2, g)]
+    shapes = {"query": {"logits": (2, 2, 6, 10), "codes": (2, 2, 6, 10)},
+              "denoise": {"logits": (2, 2, 6, 10), "codes": (2, 2, 6, 10)},
+              "center": {"heatmap": (2, 10, 16, 16), "regression": (2, 10, 16, 16)}}[head]  # fmt: skip
+    outputs = {key: torch.randn(shape, generator=g, requires_grad=True) for key, shape in shapes.items()}
+
+    def loss_and_gradients(velocity: float):
+        unknown = [b.clone() for b in boxes]
+        unknown[1][0, 7:] = velocity
+        loss = _head_loss(head, unknown, outputs)
+        return loss.detach(), torch.autograd.grad(loss, list(outputs.values()))
+
+    m = 10.0
+    assert all(o.abs().max() < m for o in outputs.values())
+    loss, grads = loss_and_gradients(float("nan"))
+    (plus, g_plus), (minus, g_minus), (twice, _) = (loss_and_gradients(v) for v in (m, -m, 2 * m))
+    assert loss.isfinite() and all(grad.isfinite().all() for grad in grads)
+    torch.testing.assert_close(loss, (plus + minus) / 2 - (twice - plus), rtol=1e-5, atol=0)
+    for grad, a, b in zip(grads, g_plus, g_minus):
+        torch.testing.assert_close(grad, (a + b) / 2, rtol=1e-5, atol=1e-7)
+
+
 # --- how each module assembles geometry and features ----------------------------------------------------
 
 
@@ -467,6 +508,32 @@ def test_trainer_fits_validates_with_a_metric_and_predicts():
     predictions = trainer.predict(model, _loader(batches))
     assert len(predictions) == 2 and predictions[0][0]["boxes"].shape[1] == 9
     assert model.hparams.bev_size == (32, 32) and "metric" not in model.hparams
+
+
+def test_validation_hands_the_metric_attributes_and_ignore_regions():
+    class Targets(torchmetrics.Metric):
+        """Keeps the targets validation hands over."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def update(self, preds, targets):
+            self.seen += targets
+
+        def compute(self):
+            return {}
+
+    torch.manual_seed(0)
+    model = LiftSplat.tiny(metric=Targets())
+    batch = surround_batch(batch=2, cameras=2, boxes=3)
+    batch["attributes"] = [torch.tensor([5, -1, 3]), torch.tensor([0, 7, -1])]
+    batch["ignore_regions"] = [torch.randn(2, 7), torch.randn(0, 7)]
+    _quiet_trainer().validate(model, _loader([batch]))
+    assert len(model.val_metric.seen) == 2
+    for i, target in enumerate(model.val_metric.seen):
+        assert target.keys() == {"boxes", "labels", "attributes", "ignore_regions"}
+        assert all(torch.equal(target[key], batch[key][i]) for key in target)
 
 
 @pytest.mark.parametrize("name", ["petr", "lift_splat", "simple_bev"])

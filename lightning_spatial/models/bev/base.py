@@ -16,6 +16,7 @@ import torch
 import torchmetrics
 
 NUSCENES_RANGE = (-51.2, -51.2, -5.0, 51.2, 51.2, 3.0)
+TARGETS = ("boxes", "labels", "attributes", "ignore_regions")  # the batch's per-sample lists the metric reads
 
 
 class BEVDetector(L.LightningModule):
@@ -60,7 +61,8 @@ class BEVDetector(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         outputs, _ = self._step(batch, "val")
         if self.val_metric is not None:
-            targets = [{"boxes": b, "labels": lab} for b, lab in zip(batch["boxes"], batch["labels"])]
+            keys = [key for key in TARGETS if key in batch]
+            targets = [dict(zip(keys, values)) for values in zip(*(batch[key] for key in keys))]
             self.val_metric.update(self.decode(outputs), targets)
 
     def on_validation_epoch_end(self):

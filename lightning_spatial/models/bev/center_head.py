@@ -14,7 +14,7 @@ from torch import nn
 
 from . import boxes as box_code
 from .geometry import BEVGrid
-from .losses import gaussian_focal_loss
+from .losses import gaussian_focal_loss, l1_known
 
 
 def conv_bn_relu(cin: int, cout: int) -> list[nn.Module]:
@@ -90,8 +90,7 @@ class CenterHead(nn.Module):
         count = normaliser(mask.sum()).clamp(min=1)
         weights = outputs["regression"].new_tensor(box_code.CODE_WEIGHTS).view(1, -1, 1, 1)
         heat = gaussian_focal_loss(outputs["heatmap"].float(), heatmap) / count
-        l1 = (outputs["regression"].float() - regression).abs() * weights * mask
-        reg = self.regression_weight * l1.sum() / count
+        reg = self.regression_weight * l1_known(outputs["regression"].float(), regression, weights * mask) / count
         return {"loss": heat + reg, "loss_heatmap": heat, "loss_regression": reg}
 
     @torch.no_grad()

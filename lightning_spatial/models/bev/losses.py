@@ -1,4 +1,4 @@
-"""Focal losses, summed (callers divide by their positive count, as DETR and CenterPoint do)."""
+"""Focal and L1 losses, summed (callers divide by their positive count, as DETR and CenterPoint do)."""
 
 from __future__ import annotations
 
@@ -31,3 +31,10 @@ def gaussian_focal_loss(logits: torch.Tensor, heatmap: torch.Tensor, alpha: floa
     pos = -F.logsigmoid(logits) * (1 - p) ** alpha * positive
     neg = -F.logsigmoid(-logits) * p**alpha * (1 - heatmap) ** gamma * (1 - positive)
     return (pos + neg).sum()
+
+
+def l1_known(prediction: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """L1 loss times ``weight`` (broadcast), summed over the elements whose target is known: a NaN target (a
+    velocity the data does not know) adds nothing, not even to the gradient."""
+    known = ~target.isnan()
+    return ((prediction - target.nan_to_num()).abs() * weight * known).sum()

@@ -18,7 +18,7 @@ from torch import nn
 from . import boxes as box_code
 from .denoise import Denoising
 from .geometry import inverse_sigmoid
-from .losses import sigmoid_focal_loss
+from .losses import l1_known, sigmoid_focal_loss
 
 
 def _mlp(dims: int, out: int, norm: bool) -> nn.Sequential:
@@ -120,7 +120,7 @@ class QueryHead(nn.Module):
             classes = torch.zeros_like(logits)
             classes[batch, query, matched_labels] = 1
             cls = self.cls_weight * sigmoid_focal_loss(logits, classes) / num_boxes
-            box = self.box_weight * ((codes[batch, query] - matched_codes).abs() * weights).sum() / num_boxes
+            box = self.box_weight * l1_known(codes[batch, query], matched_codes, weights) / num_boxes
             terms.append((cls, box))
         losses = {"loss": sum(c + b for c, b in terms), "loss_cls": terms[-1][0], "loss_box": terms[-1][1]}
         if "denoise" in outputs:
@@ -139,7 +139,7 @@ class QueryHead(nn.Module):
         total = 0
         for layer_logits, layer_codes in zip(logits, codes):
             cls = sigmoid_focal_loss(layer_logits, classes, weight=real) / positive.sum().clamp(min=1)
-            box = ((layer_codes - target).abs() * weights).sum() / denoise.real.sum().clamp(min=1)
+            box = l1_known(layer_codes, target, weights) / denoise.real.sum().clamp(min=1)
             total = total + self.cls_weight * cls + self.box_weight * box
         return total
 
