@@ -170,11 +170,14 @@ class HorovodStrategy(ParallelStrategy):
         super().setup_environment()
 
     def _gather_for_metrics(self, tensor: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
-        """torchmetrics' ``dist_sync_fn`` through Horovod: every rank's tensor, in rank order."""
-        if tensor.dim() == 0:
-            return list(self.hvd.allgather(tensor.reshape(1)).unbind(0))
-        sizes = self.hvd.allgather(torch.tensor([tensor.shape[0]]))
-        return list(self.hvd.allgather(tensor).split(sizes.tolist()))
+        """torchmetrics' ``dist_sync_fn`` through Horovod: every rank's tensor, in rank order. Outside inference mode,
+        which Lightning's evaluation loops enter without torch.distributed: Horovod resizes its outputs in its own
+        thread, and an output made in inference mode may not be resized there."""
+        with torch.inference_mode(False):
+            if tensor.dim() == 0:
+                return list(self.hvd.allgather(tensor.reshape(1)).unbind(0))
+            sizes = self.hvd.allgather(torch.tensor([tensor.shape[0]]))
+            return list(self.hvd.allgather(tensor).split(sizes.tolist()))
 
     def _sync_metrics_through_horovod(self) -> None:
         """torchmetrics syncs through torch.distributed, which Horovod does not initialise: route it here."""

@@ -26,7 +26,7 @@ from tests.strategy.test_data_axis import Indexed
 SAMPLES = 7  # odd: 4 on one replica, 3 on the other
 
 
-def evaluate(model: L.LightningModule, data, stage: str, devices: int, spatial: int, batch_size: int = 1) -> dict:
+def evaluate(model: L.LightningModule, data: DataLoader, stage: str, devices: int, spatial: int) -> dict:
     """``trainer.validate`` or ``trainer.test`` on one process (``devices=1``) or under ``spatial_tp``; a collective
     waiting for a replica that has finished its batches fails after 60 s instead of hanging."""
     strategy = SpatialParallelStrategy(spatial, start_method="fork", timeout=timedelta(seconds=60))
@@ -39,7 +39,12 @@ def evaluate(model: L.LightningModule, data, stage: str, devices: int, spatial: 
         enable_model_summary=False,
     )
     run = trainer.validate if stage == "validate" else trainer.test
-    return run(model, loader(data, batch_size) if isinstance(data, Indexed) else data, verbose=False)[0]
+    return run(model, data, verbose=False)[0]
+
+
+def assert_single_process_values(ours: dict, reference: dict) -> None:
+    for key, value in reference.items():
+        assert ours[key] == pytest.approx(value, rel=1e-5, abs=0, nan_ok=True), key
 
 
 class Scored(LitModel):
@@ -84,19 +89,16 @@ class Scored(LitModel):
     ids=["validate-2data", "test-2data", "validate-2data-x-2spatial"],
 )
 def test_each_sample_is_scored_once(stage, devices, spatial):
-    data = Indexed(SAMPLES, 16, 24)
+    data = loader(Indexed(SAMPLES, 16, 24), 1)
     reference = evaluate(Scored(), data, stage, 1, 1)
     ours = evaluate(Scored(), data, stage, devices, spatial)
     assert reference["samples"] == reference["distinct"] == SAMPLES
-    assert ours["samples"] == ours["distinct"] == SAMPLES
-    loss = f"{'val' if stage == 'validate' else 'test'}_loss"
-    for key in (loss, "mean"):
-        assert ours[key] == pytest.approx(reference[key], rel=1e-5, abs=0), key
+    assert_single_process_values(ours, reference)
 
 
 def test_fewer_samples_than_replicas_fail_before_evaluating():
     with pytest.raises(Exception, match="the val set has 1 samples, fewer than the 2 data-parallel replicas"):
-        evaluate(Scored(), Indexed(1, 16, 24), "validate", 2, 1)
+        evaluate(Scored(), loader(Indexed(1, 16, 24), 1), "validate", 2, 1)
 
 
 class Informed(PETR):
@@ -122,17 +124,16 @@ class Informed(PETR):
         return predictions
 
 
+def informed_and_scenes() -> tuple[Informed, DataLoader]:
+    """The tiny ``Informed`` PETR scored by ``NuScenesDetection`` and 5 scenes, one a batch."""
+    torch.manual_seed(0)
+    model = Informed.tiny(metric=NuScenesDetection())
+    return model, DataLoader(SurroundScenes(5, 64, 96, cameras=2, max_objects=4, seed=3), collate_fn=collate_surround)
+
+
 def test_the_nuscenes_score_of_a_bev_detector_is_the_single_process_one():
     """5 scenes on 2 replicas (3 and 2 batches): the BEV loss normaliser must not wait for the other replica in
     validation, and ``NuScenesDetection`` and the logged losses equal one process's."""
-
-    def scored(devices: int) -> dict:
-        torch.manual_seed(0)
-        model = Informed.tiny(metric=NuScenesDetection())
-        scenes = DataLoader(SurroundScenes(5, 64, 96, cameras=2, max_objects=4, seed=3), collate_fn=collate_surround)
-        return evaluate(model, scenes, "validate", devices, 1)
-
-    reference, ours = scored(1), scored(2)
+    reference = evaluate(*informed_and_scenes(), "validate", 1, 1)
     assert 0 < reference["val_mAP"] < 1 and 0 < reference["val_NDS"] < 1, reference
-    for key, value in reference.items():
-        assert ours[key] == pytest.approx(value, rel=1e-5, abs=0, nan_ok=True), key
+    assert_single_process_values(evaluate(*informed_and_scenes(), "validate", 2, 1), reference)
