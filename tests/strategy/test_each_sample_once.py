@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader
 from torchmetrics.aggregation import CatMetric, MeanMetric
 
@@ -96,8 +97,24 @@ def test_each_sample_is_scored_once(stage, devices, spatial):
     assert_single_process_values(ours, reference)
 
 
+def test_validation_within_fit_scores_each_sample_once():
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SpatialParallelStrategy(1, start_method="fork", timeout=timedelta(seconds=60)),
+        max_epochs=1,
+        limit_train_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Scored(), loader(Indexed(4, 16, 24), 2), loader(Indexed(SAMPLES, 16, 24), 2))
+    assert trainer.callback_metrics["samples"] == trainer.callback_metrics["distinct"] == SAMPLES
+
+
 def test_fewer_samples_than_replicas_fail_before_evaluating():
-    with pytest.raises(Exception, match="the val set has 1 samples, fewer than the 2 data-parallel replicas"):
+    with pytest.raises(ProcessRaisedException, match="the val set has 1 samples, fewer than the 2 data-parallel"):
         evaluate(Scored(), loader(Indexed(1, 16, 24), 1), "validate", 2, 1)
 
 
