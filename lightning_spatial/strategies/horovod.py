@@ -9,7 +9,7 @@ optimizers are wrapped in ``hvd.DistributedOptimizer`` with ``backward_passes_pe
 ``reduce``/``all_gather``/``broadcast``/``barrier`` go through Horovod; rank 0 writes checkpoints. With
 ``bucket_mb``, gradients travel as DDP's do instead: in buckets, one grouped all-reduce each (``GradientBuckets``). The
 learning rate is scaled by the world size only when asked (``scale_lr_by_world_size=True``, logged). Validation
-and test sample each sample once (unpadded), as under ``spatial_tp`` (``_loaders``).
+and test see each sample once (unpadded sampling), as under ``spatial_tp`` (``_loaders``).
 Install Horovod with ``python -m lightning_spatial.install_horovod``.
 """
 
