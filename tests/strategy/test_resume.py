@@ -2,8 +2,8 @@
 
 Float64, shuffled data (``SyntheticScenes``: a ``StatefulDataLoader`` over ``EpochShuffle``), 4 steps an epoch: the
 stop falls inside the second epoch, so the resumed epoch's order must be that epoch's, and the run goes on into a
-third epoch. Lightning used to restart the epoch's data from its first batch: the resumed run trained that epoch's
-first batches again and never saw its last ones.
+third epoch. With a loader that cannot resume, Lightning restarts the epoch's data from its first batch: the resumed
+run trains that epoch's first batches again and never sees its last ones.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Sharded(L.Callback):
         assert isinstance(batch["image"], SpatialTensor) == bool(getattr(trainer.strategy, "axes", None))
 
 
-def fit(out: Path, strategy, devices: int, replicas: int, workers: int = 0, resume: Path | None = None, **stop):
+def fit(out: Path, strategy, devices: int, replicas: int, workers: int = 0, resume: Path | None = None, **limits):
     """SegNet on 8 synthetic scenes, 2 a step over the data replicas; returns the last checkpoint."""
     trainer = L.Trainer(
         accelerator="cpu",
@@ -53,7 +53,7 @@ def fit(out: Path, strategy, devices: int, replicas: int, workers: int = 0, resu
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        **stop,
+        **limits,
     )
     L.seed_everything(7)
     data = SyntheticScenes(SAMPLES, 16, 24, batch_size=2 // replicas, num_workers=workers, val_samples=3)
@@ -92,7 +92,6 @@ RUNS = {  # name: (strategy, devices, data replicas, DataLoader workers)
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_a_mid_epoch_stop_resumes_to_the_uninterrupted_weights(tmp_path, name):
     strategy, devices, replicas, workers = RUNS[name]
@@ -103,7 +102,6 @@ def test_a_mid_epoch_stop_resumes_to_the_uninterrupted_weights(tmp_path, name):
     assert_same_state(resumed, reference)
 
 
-@pytest.mark.slow
 def test_a_max_time_stop_resumes_to_the_uninterrupted_weights(tmp_path):
     """``max_time`` stops after the step that used up the time, then validates; last.ckpt holds that step."""
     strategy, devices, replicas, workers = RUNS["2_data_replicas"]
