@@ -10,7 +10,8 @@ python recipes/train.py experiment=bev_cpu                # PETR on synthetic su
 The run directory (``out``) receives checkpoints/, csv/metrics.csv, tensorboard/ and plots/metrics.png; the
 ``SpatialSummary`` callback prints the mesh and shards at the start and speed, memory and paths at the end.
 ``validate_first=true`` validates the untrained model first (the baseline for the final metrics);
-``ckpt_path=<out>/checkpoints/last.ckpt`` resumes an earlier run (weights, optimizer, step, loops).
+``ckpt_path=<out>/checkpoints/last.ckpt`` resumes an earlier run (weights, optimizer, step, loops, and the
+data's place in the epoch: docs/recipes.md, "Resuming a run").
 """
 
 from __future__ import annotations

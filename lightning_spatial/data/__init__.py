@@ -4,6 +4,7 @@ surround-camera sources (synthetic, nuScenes, packed records) that all produce t
 
 from .batch import ATTRIBUTES, CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample, collate_surround, normalise
 from .folder import ImageFolderData
+from .loading import EpochShuffle, resumable_loader
 from .nuscenes import NuScenes, NuScenesSurround
 from .records import DEFAULT_FORMAT, PackedSurround, write_records
 from .scenes import SyntheticScenes
@@ -14,6 +15,7 @@ __all__ = [
     "CAMERAS",
     "CLASSES",
     "DEFAULT_FORMAT",
+    "EpochShuffle",
     "ImageFolderData",
     "NuScenes",
     "NuScenesSurround",
@@ -25,5 +27,6 @@ __all__ = [
     "check_sample",
     "collate_surround",
     "normalise",
+    "resumable_loader",
     "write_records",
 ]

@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .batch import collate_surround
+from .loading import resumable_loader
 from .records import META, PackedSurround, write_records
 
 SPLITS = ("train", "val")
@@ -38,22 +40,15 @@ class SurroundDataModule(L.LightningDataModule):
             sets = tuple(PackedSurround(root / split, expect=s.describe()) for split, s in zip(SPLITS, sets))
         self.train_set, self.val_set = sets
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         return self._loader(self.train_set, shuffle=True)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> StatefulDataLoader:
         return self._loader(self.val_set, shuffle=False)
 
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset, shuffle: bool) -> StatefulDataLoader:
         h = self.hparams
-        return DataLoader(
-            dataset,
-            batch_size=h.batch_size,
-            shuffle=shuffle,
-            num_workers=h.num_workers,
-            collate_fn=collate_surround,
-            persistent_workers=h.num_workers > 0,
-        )
+        return resumable_loader(dataset, h.batch_size, shuffle, h.num_workers, collate_surround, h.num_workers > 0)
 
 
 __all__ = ["SPLITS", "SurroundDataModule"]

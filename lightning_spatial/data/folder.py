@@ -19,7 +19,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from .loading import resumable_loader
 
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
@@ -135,10 +138,8 @@ class ImageFolderData(L.LightningDataModule):
         )
         return FolderImages(files, masks, labels, self.size)
 
-    def train_dataloader(self) -> DataLoader:
-        h = self.hparams
-        return DataLoader(self._split(True), batch_size=h.batch_size, shuffle=True, num_workers=h.num_workers)
+    def train_dataloader(self) -> StatefulDataLoader:
+        return resumable_loader(self._split(True), self.hparams.batch_size, True, self.hparams.num_workers)
 
-    def val_dataloader(self) -> DataLoader:
-        h = self.hparams
-        return DataLoader(self._split(False), batch_size=h.batch_size, num_workers=h.num_workers)
+    def val_dataloader(self) -> StatefulDataLoader:
+        return resumable_loader(self._split(False), self.hparams.batch_size, False, self.hparams.num_workers)

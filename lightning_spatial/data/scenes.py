@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from .loading import resumable_loader
 
 COLOURS = torch.tensor([[0.0, 0.0, 0.0], [1.0, -1.0, -1.0], [-1.0, 1.0, -1.0], [-1.0, -1.0, 1.0]])
 
@@ -50,17 +53,10 @@ class SyntheticScenes(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         h = self.hparams
-        return DataLoader(
-            Scenes(h.num_samples, h.height, h.width, seed=0),
-            batch_size=h.batch_size,
-            shuffle=True,
-            num_workers=h.num_workers,
-        )
+        return resumable_loader(Scenes(h.num_samples, h.height, h.width, seed=0), h.batch_size, True, h.num_workers)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> StatefulDataLoader:
         h = self.hparams
-        return DataLoader(
-            Scenes(h.val_samples, h.height, h.width, seed=1), batch_size=h.batch_size, num_workers=h.num_workers
-        )
+        return resumable_loader(Scenes(h.val_samples, h.height, h.width, seed=1), h.batch_size, False, h.num_workers)

@@ -8,7 +8,8 @@ optimizers are wrapped in ``hvd.DistributedOptimizer`` with ``backward_passes_pe
 ``accumulate_grad_batches`` and synchronised after the last backward of each accumulation window;
 ``reduce``/``all_gather``/``broadcast``/``barrier`` go through Horovod; rank 0 writes checkpoints. With
 ``bucket_mb``, gradients travel as DDP's do instead: in buckets, one grouped all-reduce each (``GradientBuckets``). The
-learning rate is scaled by the world size only when asked (``scale_lr_by_world_size=True``, logged).
+learning rate is scaled by the world size only when asked (``scale_lr_by_world_size=True``, logged). Validation
+and test see each sample once (unpadded sampling), as under ``spatial_tp`` (``_loaders``).
 Install Horovod with ``python -m lightning_spatial.install_horovod``.
 """
 
@@ -24,6 +25,8 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed import ReduceOp
 from typing_extensions import override
+
+from ._loaders import exact_mean, prepare_loader
 
 INSTALL_HINT = "install it with `python -m lightning_spatial.install_horovod`"
 LAUNCH_HINT = "launch with `horovodrun -np N -H localhost:N python train.py` (add --gloo on CPU)"
@@ -167,11 +170,14 @@ class HorovodStrategy(ParallelStrategy):
         super().setup_environment()
 
     def _gather_for_metrics(self, tensor: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
-        """torchmetrics' ``dist_sync_fn`` through Horovod: every rank's tensor, in rank order."""
-        if tensor.dim() == 0:
-            return list(self.hvd.allgather(tensor.reshape(1)).unbind(0))
-        sizes = self.hvd.allgather(torch.tensor([tensor.shape[0]]))
-        return list(self.hvd.allgather(tensor).split(sizes.tolist()))
+        """torchmetrics' ``dist_sync_fn`` through Horovod: every rank's tensor, in rank order. Outside inference mode,
+        which Lightning's evaluation loops enter without torch.distributed: Horovod resizes its outputs in its own
+        thread, and an output made in inference mode may not be resized there."""
+        with torch.inference_mode(False):
+            if tensor.dim() == 0:
+                return list(self.hvd.allgather(tensor.reshape(1)).unbind(0))
+            sizes = self.hvd.allgather(torch.tensor([tensor.shape[0]]))
+            return list(self.hvd.allgather(tensor).split(sizes.tolist()))
 
     def _sync_metrics_through_horovod(self) -> None:
         """torchmetrics syncs through torch.distributed, which Horovod does not initialise: route it here."""
@@ -247,6 +253,11 @@ class HorovodStrategy(ParallelStrategy):
             optimizer.synchronize()
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Unpadded sampling for validation and test; a resumed epoch's saved order (``_loaders``)."""
+        return prepare_loader(dataloader, self.lightning_module.trainer)
+
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -273,7 +284,7 @@ class HorovodStrategy(ParallelStrategy):
             op = self.hvd.Sum
         else:
             raise ValueError(f"HorovodStrategy: unsupported reduce_op {reduce_op!r}; use 'mean' or 'sum'")
-        return self.hvd.allreduce(tensor, op=op)
+        return self.hvd.allreduce(exact_mean(tensor, reduce_op), op=op)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:

@@ -7,7 +7,8 @@ The hooks, each small:
   ``spatial_size="auto"`` the mesh waits for ``setup``, where ``plan.make_plan`` chooses it from a probe of the
   model on the first training batch (other stages reuse this process's last plan, or probe the training data too).
 - ``process_dataloader``: the collate hook cuts image-sized tensors to this rank's rows; the sampler
-  splits samples over the data axis only (``distributed_sampler_kwargs``).
+  splits samples over the data axis only (``distributed_sampler_kwargs``), unpadded for validation and test (each
+  sample counted once), and a resumed training epoch draws its saved order (``_loaders``).
 - the model needs no preparation: its inputs are ``SpatialTensor`` shards, so every conv, pool, norm,
   loss (functional calls included) dispatches to the exact spatial ops.
 - gradients (the split-gradient convention, docs/design.md): ``backward`` seeds the replicated loss with
@@ -54,6 +55,7 @@ from ..ops import norm
 from ..plan import Plan, make_plan, parse_budget
 from ..sharding import Select, ShardingCollate, describe
 from ..tensor import FallbackMode, SpatialTensor, fallback_mode, gather
+from ._loaders import exact_mean, prepare_loader
 from ._scopes import graphed, metrics_sync_over, named_modules, naming_the_layer
 
 
@@ -266,6 +268,7 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        dataloader = prepare_loader(dataloader, self.lightning_module.trainer)
         if isinstance(dataloader, DataLoader) and self.axes and not isinstance(dataloader.collate_fn, ShardingCollate):
             dataloader.collate_fn = ShardingCollate(dataloader.collate_fn, self.axes, self._shard_select)
         return dataloader
@@ -287,7 +290,7 @@ class SpatialParallelStrategy(DDPStrategy):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         tensor = gather(tensor) if isinstance(tensor, SpatialTensor) else tensor
-        return _sync_ddp_if_available(tensor, self._over_data(group), reduce_op=reduce_op)
+        return _sync_ddp_if_available(exact_mean(tensor, reduce_op), self._over_data(group), reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -20,6 +20,14 @@ import torch
 from lightning_spatial import HorovodStrategy
 from lightning_spatial.strategies.horovod import import_horovod
 from tests.strategy.lit import Images, LitModel, loader
+from tests.strategy.test_data_axis import Indexed
+from tests.strategy.test_each_sample_once import (
+    SAMPLES,
+    Scored,
+    assert_single_process_values,
+    evaluate,
+    informed_and_scenes,
+)
 from tests.strategy.test_equivalence import assert_same_weights
 
 SCRIPT = Path(__file__).with_name("train_script.py")
@@ -267,3 +275,15 @@ def test_host_time_recipe(tmp_path):
     for name in ("no hooks", "hvd.DistributedOptimizer", "bucket_mb"):
         assert re.search(rf"{re.escape(name)} +\d+\.\d+ ms", done.stdout), done.stdout
     assert re.search(r"40 parameters, (\d{2,}|[2-9]) buckets", done.stdout), done.stdout
+
+
+@pytest.mark.slow
+@needs_horovod
+def test_horovod_validates_each_sample_once(tmp_path):
+    """7 images and 5 surround scenes on 2 replicas: the logged means, torchmetrics states and the nuScenes score
+    equal one process's (unpadded validation, as under spatial_tp: tests/strategy/test_each_sample_once.py)."""
+    horovodrun(SCRIPT.with_name("evaluate_script.py"), "--out", str(tmp_path))
+    ours = json.loads((tmp_path / "validated.json").read_text())
+    data = loader(Indexed(SAMPLES, 16, 24), 1)
+    assert_single_process_values(ours["segnet"], evaluate(Scored(), data, "validate", 1, 1))
+    assert_single_process_values(ours["petr"], evaluate(*informed_and_scenes(), "validate", 1, 1))

@@ -36,9 +36,11 @@ class BEVDetector(L.LightningModule):
 
     def mean_over_replicas(self, count: torch.Tensor) -> torch.Tensor:
         """A loss normaliser (the batch's box count) averaged over data-parallel replicas, as DETR does: their
-        averaged gradients then equal one device's on the whole batch. Alone (no Trainer): the count itself."""
+        averaged gradients then equal one device's on the whole batch. Alone (no Trainer) and outside training: the
+        count itself. Validation needs no gradients, and its replicas run different numbers of batches (unpadded
+        sampling, docs/design.md): a collective per step there would wait forever for the replica that is done."""
         trainer = self._trainer
-        if trainer is None or trainer.world_size == 1:
+        if trainer is None or trainer.world_size == 1 or not trainer.training:
             return count
         return trainer.strategy.reduce(count.float(), reduce_op="mean")
 
