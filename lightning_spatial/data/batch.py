@@ -2,12 +2,15 @@
 
 A *sample* holds ``images`` as uint8 ``(N, 3, H, W)`` (what cameras and JPEGs give: 4x less to store, pickle
 between DataLoader workers and pin than float32), ``lidar2img``/``cam2ego`` float32 ``(N, 4, 4)``,
-``intrinsics`` float32 ``(N, 3, 3)``, ``boxes`` float32 ``(m, 9)`` and ``labels`` int64 ``(m,)``; temporal
+``intrinsics`` float32 ``(N, 3, 3)``, ``boxes`` float32 ``(m, 9)`` (``BOX_FIELDS``: finite, sizes > 0, NaN in vx, vy
+only: velocity unknown) and ``labels`` int64 ``(m,)``; temporal
 samples add ``prev_images``/``prev_lidar2img``. ``collate_surround`` turns samples into the batch the models
 read: images normalised to float32, camera tensors stacked, boxes and labels kept as per-sample lists.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,6 +35,7 @@ _SCALE, _SHIFT = 1 / (255 * STD), -MEAN / STD  # normalise as one multiply-add
 
 _CAMERA_FIELDS = {"lidar2img": (4, 4), "intrinsics": (3, 3), "cam2ego": (4, 4), "prev_lidar2img": (4, 4)}
 _LISTS = ("boxes", "labels")
+_VELOCITY = ("vx", "vy")  # NaN there: unknown (the devkit's value for a lone annotation)
 
 
 def normalise(images: torch.Tensor) -> torch.Tensor:
@@ -64,18 +68,36 @@ def check_sample(sample: dict, where: str, size: tuple[int, int] | None = None, 
             fail(f"{key} is {tuple(value.shape)}, expected {(n, *shape)} for {n} cameras")
         if not torch.isfinite(value).all():
             fail(f"{key} has NaN or inf entries")
-    boxes, labels = sample["boxes"], sample["labels"]
-    if boxes.dim() != 2 or boxes.shape[1] != len(BOX_FIELDS):
-        fail(f"boxes must be (m, {len(BOX_FIELDS)}) {BOX_FIELDS}, got {tuple(boxes.shape)}")
-    bad = ~torch.isfinite(boxes)
-    if bad.any():
-        row, col = bad.nonzero()[0].tolist()
-        fail(f"boxes row {row} has a non-finite {BOX_FIELDS[col]} ({boxes[row, col].item()})")
+    check_boxes(sample["boxes"], sample["labels"], where, len(CLASSES), "labels index CLASSES (or the classes chosen)")
+    return sample
+
+
+def check_boxes(boxes: torch.Tensor, labels: torch.Tensor, where: str, num_classes: int, classes: str) -> None:
+    """Raise ``ValueError`` naming ``where``, the row and the field of what the contract refuses: boxes floating point
+    ``(m, 9)``, finite (NaN only in vx, vy: velocity unknown), sizes w, l, h > 0; labels int64 ``(m,)`` in
+    ``[0, num_classes)`` (``classes`` says where that count comes from). Reads the values: for host tensors."""
+
+    def fail(message: str):
+        raise ValueError(f"{where}: {message}")
+
+    if not boxes.is_floating_point() or boxes.dim() != 2 or boxes.shape[1] != len(BOX_FIELDS):
+        fail(
+            f"boxes must be floating point (m, {len(BOX_FIELDS)}) {BOX_FIELDS}, got {boxes.dtype} {tuple(boxes.shape)}"
+        )
     if labels.dtype != torch.int64 or tuple(labels.shape) != (boxes.shape[0],):
         fail(f"labels must be int64 ({boxes.shape[0]},) to match the boxes, got {labels.dtype} {tuple(labels.shape)}")
-    if labels.numel() and not (0 <= labels.min() and labels.max() < len(CLASSES)):
-        fail(f"labels must lie in [0, {len(CLASSES)}), got {labels.tolist()}")
-    return sample
+    unknown = boxes.isnan() & torch.tensor([f in _VELOCITY for f in BOX_FIELDS])
+    bad = ~(boxes.isfinite() | unknown)
+    bad[:, 3:6] |= boxes[:, 3:6] <= 0
+    if bad.any():
+        row, col = bad.nonzero()[0].tolist()
+        field, value = BOX_FIELDS[col], boxes[row, col].item()
+        rule = "sizes w, l, h must be > 0 (metres)" if math.isfinite(value) else "only vx, vy may be NaN (unknown)"
+        fail(f"boxes row {row} has {field} = {value}: {rule}; repair or drop that box in the data")
+    outside = (labels < 0) | (labels >= num_classes)
+    if outside.any():
+        row = int(outside.nonzero()[0])
+        fail(f"labels row {row} is {int(labels[row])}, outside [0, {num_classes}): {classes}")
 
 
 def collate_surround(samples: list[dict]) -> dict:
@@ -90,4 +112,13 @@ def collate_surround(samples: list[dict]) -> dict:
     return batch
 
 
-__all__ = ["BOX_FIELDS", "CAMERAS", "CLASSES", "POINT_CLOUD_RANGE", "check_sample", "collate_surround", "normalise"]
+__all__ = [
+    "BOX_FIELDS",
+    "CAMERAS",
+    "CLASSES",
+    "POINT_CLOUD_RANGE",
+    "check_boxes",
+    "check_sample",
+    "collate_surround",
+    "normalise",
+]

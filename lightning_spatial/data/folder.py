@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from .._arguments import integers, sizes
+
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
@@ -93,7 +95,9 @@ class ImageFolderData(L.LightningDataModule):
             raise FileNotFoundError(f"root {str(root)!r} is not a folder of images")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        self.size = None if size is None else (int(size[0]), int(size[1]))
+        integers(1, batch_size=batch_size)
+        integers(0, num_workers=num_workers)
+        self.size = None if size is None else sizes("size", size)
         self.files = sorted(p for p in self.root.rglob("*") if p.suffix.lower() in SUFFIXES)
         if not self.files:
             raise FileNotFoundError(f"root {str(root)!r} holds no images ({', '.join(SUFFIXES)})")
