@@ -10,7 +10,7 @@ from lightning_spatial.data import ImageFolderData, SurroundScenes, SurroundSynt
 from lightning_spatial.models import ImageTask
 from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
 
-CASES = [  # (module, arguments, message)
+CASES = [  # (module, arguments, message); test ids: position-argument
     (PETR.tiny, dict(num_classes=0), r"num_classes must be an integer >= 1, got 0"),
     (PETR.tiny, dict(num_queries=-1), r"num_queries must be an integer >= 0, got -1"),
     (PETR.tiny, dict(num_layers=0), r"num_layers must be an integer >= 1, got 0"),
@@ -42,7 +42,10 @@ CASES = [  # (module, arguments, message)
 ]
 
 
-@pytest.mark.parametrize("make, arguments, message", CASES, ids=[f"{i}-{next(iter(c[1]))}" for i, c in enumerate(CASES)])
+IDS = [f"{i}-{next(iter(arguments))}" for i, (_, arguments, _) in enumerate(CASES)]
+
+
+@pytest.mark.parametrize("make, arguments, message", CASES, ids=IDS)
 def test_a_bad_constructor_argument_names_itself(make, arguments, message):
     with pytest.raises(ValueError, match=message), torch.device("meta"):  # raised before any weight is made
         make(**arguments)

@@ -67,7 +67,7 @@ def test_check_names_the_sample_row_and_field_of_a_bad_box(row, field, value, me
     [
         (torch.tensor([0, 10, 2]), r"here: labels row 1 is 10, outside \[0, 10\): labels index CLASSES"),
         (torch.tensor([0, 1, -1]), r"here: labels row 2 is -1, outside \[0, 10\)"),
-        (torch.tensor([0, 1, 2], dtype=torch.int32), r"labels must be int64 \(3,\) to match the boxes, got torch.int32"),
+        (torch.tensor([0, 1, 2]).int(), r"labels must be int64 \(3,\) to match the boxes, got torch.int32"),
         (torch.tensor([0, 1]), r"labels must be int64 \(3,\) to match the boxes, got torch.int64 \(2,\)"),
     ],
 )
