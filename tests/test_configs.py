@@ -72,6 +72,8 @@ def test_spatial_variants_reach_the_strategy(tmp_path):
     auto = _compose("strategy=spatial_auto", "strategy.memory_budget=70GiB", out=tmp_path).strategy
     assert instantiate(cfgs["spatial_auto"])._spatial_size == "auto"
     assert instantiate(auto)._memory_budget == 70 * 2**30
+    fixed = _compose("strategy=spatial_auto", "strategy.global_batch_size=64", out=tmp_path).strategy
+    assert instantiate(fixed)._global_batch_size == 64 and instantiate(auto)._global_batch_size is None
 
 
 @pytest.mark.parametrize("strategy", ["spatial_tp", "ddp"])
