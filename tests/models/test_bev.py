@@ -592,3 +592,41 @@ def test_warmup_ramps_the_learning_rate_per_step(name):
     backbone = {id(p) for p in model.encoder.backbone.parameters()}
     assert {id(p) for p in groups[1]["params"]} == backbone
     assert len(groups[0]["params"]) + len(backbone) == len(list(model.parameters()))
+
+
+def _validate(model: L.LightningModule, batches: list, strategy, devices: int) -> dict[str, float]:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="64-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    (metrics,) = trainer.validate(model, _loader(batches), verbose=False)
+    return metrics
+
+
+@pytest.mark.parametrize(
+    "detector, options",
+    [(PETR, dict(num_queries=0)), (LiftSplat, {})],  # no queries: no predictions at all; or empty scenes alone
+    ids=["petr_no_queries", "lift_splat"],
+)
+def test_validation_of_empty_scenes_and_predictions_under_spatial_tp_scores_as_one_device(detector, options):
+    """Samples and a whole batch without boxes, and a model that predicts nothing: the losses and the nuScenes
+    metric under width 2 equal one device's (float64)."""
+    from lightning_spatial.metrics import NuScenesDetection
+
+    batches = [
+        surround_batch(batch=2, cameras=2, height=64, width=96, boxes=b, seed=s) for s, b in enumerate([[0, 2], [0, 0]])
+    ]
+    results = []
+    for strategy, devices in (("auto", 1), (SpatialParallelStrategy(2, start_method="fork", fallback="error"), 2)):
+        torch.manual_seed(0)
+        results.append(_validate(detector.tiny(metric=NuScenesDetection(), **options), batches, strategy, devices))
+    one, ours = results
+    assert set(ours) == set(one) and {"val_loss", "val_mAP", "val_NDS"} <= set(one), set(one)
+    for key, expected in one.items():
+        assert ours[key] == pytest.approx(expected, rel=1e-11, abs=1e-12, nan_ok=True), key
