@@ -57,21 +57,22 @@ class ImageTask(L.LightningModule):
         self.train_accuracy, self.val_accuracy = metric.clone(), metric.clone()
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
+        if image.dtype != self.dtype:
+            raise ValueError(
+                f"image is {image.dtype} but the model's parameters are {self.dtype}: give {self.dtype} images "
+                "(normalised; Trainer(precision=...) converts a batch to its dtype)"
+            )
         if self.head is None:
             return self.backbone(image)
         features = self.backbone(image)[-1]
         return F.interpolate(self.head(features), size=image.shape[-2:], mode="bilinear", align_corners=False)
 
     def on_before_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
-        """The batch checked on the host, before it goes to the device (reading it there would wait for the device
-        every step): an image of the model's dtype, targets int64 (B,) labels or (B, H, W) masks in
-        [0, num_classes) (-100: cross_entropy's ignored value). Of a sharded mask this rank reads its own part."""
+        """The targets checked on the host, before they go to the device (reading them there would wait for the
+        device every step): int64 (B,) labels or (B, H, W) masks in [0, num_classes) (-100: cross_entropy's ignored
+        value). Of a sharded mask this rank reads its own part. (``forward`` checks the image's dtype: in the
+        automatic plan's probe this hook meets the batch before the Trainer converts the module's precision.)"""
         image = batch["image"]
-        if image.dtype != self.dtype:
-            raise ValueError(
-                f"image is {image.dtype} but the model's parameters are {self.dtype}: give {self.dtype} images "
-                "(normalised; Trainer(precision=...) converts a batch to its dtype)"
-            )
         key = "label" if self.head is None else "mask"
         if key in batch:  # not in prediction
             expected = (image.shape[0],) if self.head is None else (image.shape[0], *image.shape[-2:])

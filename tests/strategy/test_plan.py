@@ -357,3 +357,22 @@ def test_global_batch_size_is_for_an_automatic_plan_and_positive():
         SpatialParallelStrategy(2, global_batch_size=8)
     with pytest.raises(ValueError, match=r"global_batch_size must be an integer >= 1, got 0"):
         SpatialParallelStrategy("auto", global_batch_size=0)
+
+
+def test_a_module_that_checks_its_batches_plans_in_another_precision():
+    """The probe hands the module's batch hooks the batch in the precision's dtype before the Trainer converts the
+    module: a check of the images' dtype belongs in forward, which the probe runs on the converted copy."""
+    from lightning_spatial.models import ImageTask
+
+    L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SpatialParallelStrategy("auto", memory_budget="1TiB", start_method="fork"),
+        precision="64-true",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    ).fit(ImageTask("resnet18", "segmentation"), loader(Images(4, 32, 64), 2))

@@ -35,18 +35,21 @@ class BEVDetector(L.LightningModule):
         return cls(**{**cls.TINY, **overrides})
 
     def check_batch(self, batch: dict[str, Any]) -> None:
-        """Shapes and dtypes; while the batch is on the CPU (reading it waits for no device) its values too:
-        calibration, boxes, labels against ``num_classes`` (``batch.py``). Raises ValueError naming the field and
-        the sample."""
+        """``forward``'s check: shapes and the images' dtype against the parameters'; while the batch is on the CPU
+        (reading it waits for no device) its values too. Raises ValueError naming the field and the sample."""
         temporal = self.hparams.get("temporal", False)
-        check_shapes(batch, self.dtype, temporal)
+        check_shapes(batch, temporal, self.dtype)
         if batch["lidar2img"].device.type == "cpu":
             check_contents(batch, self.hparams.num_classes, temporal)
 
     def on_before_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
-        """Every batch checked on the host, before a step trains on it (``forward`` checks a batch on a device by its
-        shapes and dtypes only)."""
-        self.check_batch(batch)
+        """Every batch's shapes and values checked on the host, before a step trains on it: calibration, boxes,
+        labels against ``num_classes`` (``batch.py``). Not the images' dtype: in the automatic plan's probe this
+        hook meets the batch in the precision's dtype before the Trainer converts the module (``forward`` checks
+        it)."""
+        temporal = self.hparams.get("temporal", False)
+        check_shapes(batch, temporal)
+        check_contents(batch, self.hparams.num_classes, temporal)
         return batch
 
     def loss(self, outputs, batch) -> dict[str, torch.Tensor]:

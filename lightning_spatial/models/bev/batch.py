@@ -44,13 +44,14 @@ def _camera_fields(temporal: bool) -> list[str]:
     return ["lidar2img", "prev_lidar2img"] if temporal else ["lidar2img"]
 
 
-def check_shapes(batch: dict[str, Any], dtype: torch.dtype, temporal: bool = False) -> None:
-    """Raise ValueError naming the field and sizes when cameras, image sizes, dtypes or boxes disagree: images must
-    be floating point of the model's ``dtype`` (any float under autocast)."""
+def check_shapes(batch: dict[str, Any], temporal: bool = False, dtype: torch.dtype | None = None) -> None:
+    """Raise ValueError naming the field and sizes when cameras, image sizes or boxes disagree, or (given the
+    model's ``dtype``) images are not of it (any float under autocast)."""
     images = batch["images"]
     if images.dim() != 5 or images.shape[2] != 3:
         raise ValueError(f"images must be (B, N, 3, H, W), got {tuple(images.shape)}")
-    if not images.is_floating_point() or (images.dtype != dtype and not torch.is_autocast_enabled(images.device.type)):
+    autocast = torch.is_autocast_enabled(images.device.type)
+    if dtype is not None and (not images.is_floating_point() or (images.dtype != dtype and not autocast)):
         raise ValueError(
             f"images are {images.dtype} but the model's parameters are {dtype}: give {dtype} images (collate_surround "
             "normalises the samples' uint8 images to float32; Trainer(precision=...) converts a batch to its dtype)"
