@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_spatial.data import ImageFolderData, SurroundScenes, SurroundSynthetic, SyntheticScenes
+from lightning_spatial.data import ImageFolderData, NuScenes, SurroundScenes, SurroundSynthetic, SyntheticScenes
 from lightning_spatial.models import ImageTask
 from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
 
@@ -39,6 +39,7 @@ CASES = [  # (module, arguments, message); test ids: position-argument
     (SurroundSynthetic, dict(max_objects=-3), r"max_objects must be an integer >= 0, got -3"),
     (SurroundSynthetic, dict(distance=[14, 10]), r"distance=\(14, 10\): give \(near, far\) metres"),
     (lambda **kw: SurroundScenes(4, **kw), dict(height=-64, width=88), r"height must be an integer >= 1, got -64"),
+    (lambda **kw: NuScenes("/nonexistent", **kw), dict(batch_size=0), r"batch_size must be an integer >= 1, got 0"),
 ]
 
 

@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .._arguments import integers
 from .batch import CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample
 from .datamodule import SurroundDataModule
 from .geometry import projection, quaternion_matrix, rigid, rigid_inverse, scale_intrinsics
@@ -285,6 +286,8 @@ class NuScenes(SurroundDataModule):
                 "v1.0-mini has a built-in split"
             )
         self.save_hyperparameters()
+        integers(1, height=height, width=width, batch_size=batch_size)
+        integers(0, num_workers=num_workers)
 
     def datasets(self) -> tuple[NuScenesSurround, NuScenesSurround]:
         h = self.hparams
