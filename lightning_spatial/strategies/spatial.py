@@ -123,12 +123,13 @@ class SpatialParallelStrategy(DDPStrategy):
         auto = spatial_size == "auto"
         h, w = tiles(1 if spatial_size is None or auto else spatial_size, shard_dim)  # a bad shard_dim or size raises
         SpatialDims(h * w, h, w)  # now, not in the ranks; whether it divides the world waits for the world size
-        for name, value in (("memory_budget", memory_budget), ("global_batch_size", global_batch_size)):
-            if value is not None and not auto:
-                raise ValueError(
-                    f"{name} is for spatial_size='auto', got spatial_size={spatial_size!r} (a fixed spatial size keeps "
-                    "the data-parallel size: Trainer(accumulate_grad_batches=...) sets the global batch)"
-                )
+        if memory_budget is not None and not auto:
+            raise ValueError(f"memory_budget is for spatial_size='auto', got spatial_size={spatial_size!r}")
+        if global_batch_size is not None and not auto:
+            raise ValueError(
+                f"global_batch_size is for spatial_size='auto', got spatial_size={spatial_size!r}: a fixed spatial "
+                "size fixes the data-parallel size, and Trainer(accumulate_grad_batches=...) the global batch"
+            )
         if global_batch_size is not None:
             integers(1, global_batch_size=global_batch_size)
         if isinstance(cuda_graphs, str):
