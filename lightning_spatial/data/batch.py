@@ -35,7 +35,7 @@ _SCALE, _SHIFT = 1 / (255 * STD), -MEAN / STD  # normalise as one multiply-add
 
 _CAMERA_FIELDS = {"lidar2img": (4, 4), "intrinsics": (3, 3), "cam2ego": (4, 4), "prev_lidar2img": (4, 4)}
 _LISTS = ("boxes", "labels")
-_VELOCITY = ("vx", "vy")  # NaN there: unknown (the devkit's value for a lone annotation)
+_MAY_BE_NAN = torch.tensor([f in ("vx", "vy") for f in BOX_FIELDS])  # velocity unknown: the devkit's lone annotation
 
 
 def normalise(images: torch.Tensor) -> torch.Tensor:
@@ -86,8 +86,7 @@ def check_boxes(boxes: torch.Tensor, labels: torch.Tensor, where: str, num_class
         )
     if labels.dtype != torch.int64 or tuple(labels.shape) != (boxes.shape[0],):
         fail(f"labels must be int64 ({boxes.shape[0]},) to match the boxes, got {labels.dtype} {tuple(labels.shape)}")
-    unknown = boxes.isnan() & torch.tensor([f in _VELOCITY for f in BOX_FIELDS])
-    bad = ~(boxes.isfinite() | unknown)
+    bad = ~(boxes.isfinite() | (boxes.isnan() & _MAY_BE_NAN.to(boxes.device)))
     bad[:, 3:6] |= boxes[:, 3:6] <= 0
     if bad.any():
         row, col = bad.nonzero()[0].tolist()
