@@ -25,7 +25,6 @@ CASES = {  # name -> (model, its options, box counts per sample, allowed fallbac
     "lift_splat_empty_sample": (LiftSplat.tiny, {}, [0, 2], set()),
     "simple_bev_empty_batch": (SimpleBEV.tiny, {}, [0, 0], set()),
     "petr_empty_batch": (PETR.tiny, dict(denoise_groups=2), [0, 0], set()),
-    "petr_empty_sample": (PETR.tiny, {}, [2, 0], set()),
     "petr_no_queries": (PETR.tiny, dict(num_queries=0), [3], set()),
     "petr_no_queries_denoising": (PETR.tiny, dict(num_queries=0, denoise_groups=2), [2, 0], set()),
 }

@@ -335,8 +335,8 @@ def test_a_global_batch_is_kept_by_accumulating_gradients_to_the_single_device_w
     torch.manual_seed(0)
     ours = LitModel("convnext_atto")
     line = (
-        "lightning_spatial: plan: 2 data-parallel replica(s) x 2 samples per batch x 2 accumulated batch(es) = a global "
-        "batch of 8 samples per optimizer step; 1 optimizer step(s) per epoch (2 batches per replica)"
+        "lightning_spatial: plan: 2 data-parallel replica(s) x 2 samples per batch x 2 accumulated batch(es) = a "
+        "global batch of 8 samples per optimizer step; 1 optimizer step(s) per epoch (2 batches per replica)"
     )
     _fit_global_batch(data, 2, 8, [CheckBatches(2, line)], ours)
     assert_same_weights(ours, reference)
