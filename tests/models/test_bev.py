@@ -386,8 +386,8 @@ class NoOptimizerStep(L.Callback):
 
 @pytest.mark.parametrize("case", list(BAD_BATCHES))
 def test_a_bad_batch_fails_before_any_optimizer_step_naming_the_field_and_sample(case):
-    """Checked on the host (``on_before_batch_transfer``): Lift-Splat trained on with a NaN loss, PETR blamed the
-    training, the rest failed deep in a kernel."""
+    """Checked on the host (``on_before_batch_transfer``; the images' dtype in ``forward``): Lift-Splat trained on
+    with a NaN loss, PETR blamed the training, the rest failed deep in a kernel."""
     torch.manual_seed(0)
     model = LiftSplat.tiny()
     before = [p.detach().clone() for p in model.parameters()]
