@@ -25,7 +25,9 @@ the cut's length and channels, forward and backward, averaged over the ranks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import math
 import os
 import random
 import re
@@ -112,12 +114,14 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Plan:
-    """The chosen mesh, the budget it was chosen for and every candidate's estimate."""
+    """The chosen mesh, the budget it was chosen for, every candidate's estimate, and the batch size per replica of
+    the training DataLoader it was probed on (``None`` when the DataLoader does not say)."""
 
     dims: SpatialDims
     budget: int
     estimates: tuple[Estimate, ...]
     basis: str
+    batch_size: int | None = None
 
     @property
     def chosen(self) -> Estimate:
@@ -147,6 +151,41 @@ def choose(world_size: int, estimates: list[Estimate], budget: int, basis: str) 
     size = min(e.spatial_size for e in fitting)
     best = min((e for e in fitting if e.spatial_size == size), key=lambda e: e.halo_bytes)
     return Plan(SpatialDims(world_size, *best.tiles), budget, tuple(estimates), basis)
+
+
+def accumulation(global_batch_size: int, plan: Plan) -> int:
+    """The gradient-accumulation steps that make ``global_batch_size`` samples per optimizer step from the plan's
+    data-parallel replicas, each a batch of the probed size: the probed memory holds for every step."""
+    replicas, batch = plan.dims.data, plan.batch_size
+    if batch is None:
+        raise ValueError(
+            f"lightning_spatial: global_batch_size={global_batch_size} needs the batch size per replica, and the "
+            "training DataLoader has none (batch_size=None or a batch_sampler): give the DataLoader a batch_size"
+        )
+    per_step = replicas * batch
+    if global_batch_size % per_step:
+        multiple = max(global_batch_size // per_step, 1) * per_step
+        raise ValueError(
+            f"lightning_spatial: global_batch_size={global_batch_size} is not reachable: the plan has {replicas} "
+            f"data-parallel replica(s) (spatial size {plan.dims.spatial_size} on {plan.dims.world_size} processes) "
+            f"of {batch} samples per batch, so gradients accumulated over whole batches make multiples of "
+            f"{per_step}. Use a multiple of {per_step} (say global_batch_size={multiple}), a DataLoader batch_size "
+            f"whose {replicas} x batch_size divides {global_batch_size}, or pass the spatial size"
+        )
+    return global_batch_size // per_step
+
+
+def describe_batches(plan: Plan, accumulated: int, batches_per_epoch: float) -> str:
+    """What the plan's data-parallel size makes of the training batches: the global batch and the steps per epoch."""
+    d, batch = plan.dims, plan.batch_size
+    per_replica = "? (the DataLoader has no batch_size)" if batch is None else str(batch)
+    total = "?" if batch is None else str(d.data * batch * accumulated)
+    steps = "?" if math.isinf(batches_per_epoch) else str(math.ceil(batches_per_epoch / accumulated))
+    return (
+        f"lightning_spatial: plan: {d.data} data-parallel replica(s) x {per_replica} samples per batch x "
+        f"{accumulated} accumulated batch(es) = a global batch of {total} samples per optimizer step; {steps} "
+        f"optimizer step(s) per epoch ({batches_per_epoch:g} batches per replica)"
+    )
 
 
 def default_budget(device: torch.device, processes_per_node: int) -> int:
@@ -223,7 +262,8 @@ def _probe_all(strategy, trainer, candidates, fakes, budget, select, gradient_co
             "spatial_size='auto' probes one training step with automatic optimization; with manual optimization "
             "pass the spatial size explicitly"
         )
-    probe = _Probe(strategy, _first_batch(trainer), select, gradient_copy)
+    loader = _training_loader(trainer)
+    probe = _Probe(strategy, _first_batch(loader), select, gradient_copy)
     estimates: list[Estimate] = []
     for size in sorted({h * w for h, w in candidates}, reverse=True):
         level = [probe(tiles, fakes) for tiles in candidates if tiles[0] * tiles[1] == size]
@@ -233,13 +273,13 @@ def _probe_all(strategy, trainer, candidates, fakes, budget, select, gradient_co
             estimates += [Estimate(t, note="not probed: a larger spatial size did not fit") for t in skipped]
             break
     probe.release()
-    return choose(strategy.world_size, estimates, budget, probe.basis)
+    plan = choose(strategy.world_size, estimates, budget, probe.basis)
+    return dataclasses.replace(plan, batch_size=getattr(loader, "batch_size", None))
 
 
-def _first_batch(trainer) -> Any:
-    """The first batch of the training data, as the fit loop would load it (before any sharding)."""
+def _training_loader(trainer) -> Any:
+    """The training dataloader(s), as the fit loop would request them (before any sampler or sharding)."""
     from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
-    from lightning.pytorch.utilities import CombinedLoader
 
     source = trainer.fit_loop._data_source
     if not source.is_defined():
@@ -247,7 +287,13 @@ def _first_batch(trainer) -> Any:
             "spatial_size='auto' plans from the first training batch, and this Trainer has no training data; pass "
             "the spatial size that training chose (its log line 'lightning_spatial: plan: ...')"
         )
-    batch, _, _ = next(iter(CombinedLoader(_request_dataloader(source), "max_size_cycle")))
+    return _request_dataloader(source)
+
+
+def _first_batch(loader: Any) -> Any:
+    from lightning.pytorch.utilities import CombinedLoader
+
+    batch, _, _ = next(iter(CombinedLoader(loader, "max_size_cycle")))
     return batch
 
 
@@ -416,4 +462,14 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-__all__ = ["Estimate", "Plan", "choose", "default_budget", "layouts", "make_plan", "parse_budget"]
+__all__ = [
+    "Estimate",
+    "Plan",
+    "accumulation",
+    "choose",
+    "default_budget",
+    "describe_batches",
+    "layouts",
+    "make_plan",
+    "parse_budget",
+]

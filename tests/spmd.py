@@ -11,7 +11,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 
@@ -30,14 +32,8 @@ def run_spmd(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> No
         procs = [ctx.Process(target=_worker, args=(r, world_size, init, fn, args, results)) for r in range(world_size)]
         for p in procs:
             p.start()
-        failures = []
         try:
-            for _ in range(world_size):
-                rank, error = results.get(timeout=timeout)
-                if error:
-                    failures.append(f"rank {rank}:\n{error}")
-        except queue.Empty:
-            failures.append(f"timed out after {timeout} s (a rank hung or died)")
+            failures = _collect(procs, results, timeout)
         finally:
             for p in procs:
                 p.join(timeout=5)
@@ -45,6 +41,30 @@ def run_spmd(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> No
                     p.kill()
     if failures:
         raise AssertionError("\n".join(failures))
+
+
+def _collect(procs, results, timeout: float) -> list[str]:
+    """Every rank's failure; a rank killed by a signal (a crash in a kernel, say SIGFPE) is reported at once
+    rather than after the time-out its peers would wait in their next collective."""
+    failures, pending, deadline = [], set(range(len(procs))), time.monotonic() + timeout
+    while pending:
+        try:
+            rank, error = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = {r: procs[r].exitcode for r in pending if procs[r].exitcode not in (None, 0)}
+            if dead:
+                return failures + [f"rank {r} died: {_exit_reason(code)}" for r, code in dead.items()]
+            if time.monotonic() > deadline:
+                return failures + [f"timed out after {timeout} s (a rank hung)"]
+            continue
+        pending.discard(rank)
+        if error:
+            failures.append(f"rank {rank}:\n{error}")
+    return failures
+
+
+def _exit_reason(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _worker(rank, world_size, init, fn, args, results) -> None:

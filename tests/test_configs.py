@@ -72,6 +72,8 @@ def test_spatial_variants_reach_the_strategy(tmp_path):
     auto = _compose("strategy=spatial_auto", "strategy.memory_budget=70GiB", out=tmp_path).strategy
     assert instantiate(cfgs["spatial_auto"])._spatial_size == "auto"
     assert instantiate(auto)._memory_budget == 70 * 2**30
+    fixed = _compose("strategy=spatial_auto", "strategy.global_batch_size=64", out=tmp_path).strategy
+    assert instantiate(fixed)._global_batch_size == 64 and instantiate(auto)._global_batch_size is None
 
 
 @pytest.mark.parametrize("strategy", ["spatial_tp", "ddp"])
@@ -122,11 +124,14 @@ def test_the_gpu_bev_experiment_that_learns_is_the_run_in_the_docs(tmp_path):
         ("model.optimizer=lamb", InstantiationException, ["optimizer", "'adamw', 'sgd'", "full_key: model"]),
         ("trainer.precision=17", InstantiationException, ["Precision 17", "bf16-mixed", "full_key: trainer"]),
         ("data=image_folder", MissingMandatoryValue, ["data.root"]),
+        ("data.height=-64", InstantiationException, ["height must be an integer >= 1, got -64", "full_key: data"]),
+        ("model=petr model.num_classes=0", InstantiationException, ["num_classes must be", "full_key: model"]),
+        ("model=petr model.num_queries=-1", InstantiationException, ["num_queries must be an integer >= 0, got -1"]),
     ],
 )
 def test_bad_config_names_the_key_and_the_allowed_values(override, error, words, tmp_path):
     with pytest.raises(error) as raised:
-        _instantiate(_compose(override, out=tmp_path))
+        _instantiate(_compose(*override.split(), out=tmp_path))
     assert all(word in str(raised.value) for word in words), str(raised.value)
 
 

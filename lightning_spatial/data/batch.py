@@ -2,9 +2,9 @@
 
 A *sample* holds ``images`` as uint8 ``(N, 3, H, W)`` (what cameras and JPEGs give: 4x less to store, pickle
 between DataLoader workers and pin than float32), ``lidar2img``/``cam2ego`` float32 ``(N, 4, 4)``,
-``intrinsics`` float32 ``(N, 3, 3)``, ``boxes`` float32 ``(m, 9)`` and ``labels`` int64 ``(m,)``; temporal
-samples add ``prev_images``/``prev_lidar2img``. Box velocities (vx, vy) may be NaN: unknown, as the nuScenes
-devkit has them for a lone annotation. Samples may add what the detection metric scores and filters by:
+``intrinsics`` float32 ``(N, 3, 3)``, ``boxes`` float32 ``(m, 9)`` (``BOX_FIELDS``: finite, sizes > 0, NaN in vx, vy
+only: velocity unknown, as the nuScenes devkit has it for a lone annotation) and ``labels`` int64 ``(m,)``; temporal
+samples add ``prev_images``/``prev_lidar2img``. Samples may add what the detection metric scores and filters by:
 ``attributes`` int64 ``(m,)`` indexing ``ATTRIBUTES`` (-1: none) and ``ignore_regions`` float32 ``(k, 7)``
 boxes (x, y, z, w, l, h, yaw; e.g. bike racks). ``collate_surround`` turns samples into the batch the models
 read: images normalised to float32, camera tensors stacked, the per-box and per-region fields kept as
@@ -12,6 +12,8 @@ per-sample lists.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -48,6 +50,7 @@ _SCALE, _SHIFT = 1 / (255 * STD), -MEAN / STD  # normalise as one multiply-add
 _CAMERA_FIELDS = {"lidar2img": (4, 4), "intrinsics": (3, 3), "cam2ego": (4, 4), "prev_lidar2img": (4, 4)}
 REGION_FIELDS = BOX_FIELDS[:7]
 _LISTS = ("boxes", "labels", "attributes", "ignore_regions")  # per-sample lengths: kept as lists in a batch
+_MAY_BE_NAN = torch.tensor([f in ("vx", "vy") for f in BOX_FIELDS])  # velocity unknown: the devkit's lone annotation
 
 
 def normalise(images: torch.Tensor) -> torch.Tensor:
@@ -80,18 +83,8 @@ def check_sample(sample: dict, where: str, size: tuple[int, int] | None = None, 
             fail(f"{key} is {tuple(value.shape)}, expected {(n, *shape)} for {n} cameras")
         if not torch.isfinite(value).all():
             fail(f"{key} has NaN or inf entries")
-    boxes, labels = sample["boxes"], sample["labels"]
-    if boxes.dim() != 2 or boxes.shape[1] != len(BOX_FIELDS):
-        fail(f"boxes must be (m, {len(BOX_FIELDS)}) {BOX_FIELDS}, got {tuple(boxes.shape)}")
-    bad = ~torch.isfinite(boxes)
-    bad[:, 7:] &= ~boxes[:, 7:].isnan()  # an unknown velocity is NaN
-    if bad.any():
-        row, col = bad.nonzero()[0].tolist()
-        fail(f"boxes row {row} has a non-finite {BOX_FIELDS[col]} ({boxes[row, col].item()})")
-    if labels.dtype != torch.int64 or tuple(labels.shape) != (boxes.shape[0],):
-        fail(f"labels must be int64 ({boxes.shape[0]},) to match the boxes, got {labels.dtype} {tuple(labels.shape)}")
-    if labels.numel() and not (0 <= labels.min() and labels.max() < len(CLASSES)):
-        fail(f"labels must lie in [0, {len(CLASSES)}), got {labels.tolist()}")
+    check_boxes(sample["boxes"], sample["labels"], where, len(CLASSES), "labels index CLASSES (or the classes chosen)")
+    labels = sample["labels"]
     attributes = sample.get("attributes")
     if attributes is not None:
         if attributes.dtype != torch.int64 or attributes.shape != labels.shape:
@@ -106,6 +99,33 @@ def check_sample(sample: dict, where: str, size: tuple[int, int] | None = None, 
         fail(f"ignore_regions must be float (k, {len(REGION_FIELDS)}) {REGION_FIELDS}, got {regions.dtype} "
              f"{tuple(regions.shape)}")  # fmt: skip
     return sample
+
+
+def check_boxes(boxes: torch.Tensor, labels: torch.Tensor, where: str, num_classes: int, classes: str) -> None:
+    """Raise ``ValueError`` naming ``where``, the row and the field of what the contract refuses: boxes floating point
+    ``(m, 9)``, finite (NaN only in vx, vy: velocity unknown), sizes w, l, h > 0; labels int64 ``(m,)`` in
+    ``[0, num_classes)`` (``classes`` says where that count comes from). Reads the values: for host tensors."""
+
+    def fail(message: str):
+        raise ValueError(f"{where}: {message}")
+
+    if not boxes.is_floating_point() or boxes.dim() != 2 or boxes.shape[1] != len(BOX_FIELDS):
+        fail(
+            f"boxes must be floating point (m, {len(BOX_FIELDS)}) {BOX_FIELDS}, got {boxes.dtype} {tuple(boxes.shape)}"
+        )
+    if labels.dtype != torch.int64 or tuple(labels.shape) != (boxes.shape[0],):
+        fail(f"labels must be int64 ({boxes.shape[0]},) to match the boxes, got {labels.dtype} {tuple(labels.shape)}")
+    bad = ~(boxes.isfinite() | (boxes.isnan() & _MAY_BE_NAN.to(boxes.device)))
+    bad[:, 3:6] |= boxes[:, 3:6] <= 0
+    if bad.any():
+        row, col = bad.nonzero()[0].tolist()
+        field, value = BOX_FIELDS[col], boxes[row, col].item()
+        rule = "sizes w, l, h must be > 0 (metres)" if math.isfinite(value) else "only vx, vy may be NaN (unknown)"
+        fail(f"boxes row {row} has {field} = {value}: {rule}; repair or drop that box in the data")
+    outside = (labels < 0) | (labels >= num_classes)
+    if outside.any():
+        row = int(outside.nonzero()[0])
+        fail(f"labels row {row} is {int(labels[row])}, outside [0, {num_classes}): {classes}")
 
 
 def collate_surround(samples: list[dict]) -> dict:
@@ -128,6 +148,7 @@ __all__ = [
     "CLASSES",
     "POINT_CLOUD_RANGE",
     "REGION_FIELDS",
+    "check_boxes",
     "check_sample",
     "collate_surround",
     "normalise",

@@ -22,6 +22,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from .._arguments import integers, sizes
 from .loading import resumable_loader
 
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
@@ -96,7 +97,9 @@ class ImageFolderData(L.LightningDataModule):
             raise FileNotFoundError(f"root {str(root)!r} is not a folder of images")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        self.size = None if size is None else (int(size[0]), int(size[1]))
+        integers(1, batch_size=batch_size)
+        integers(0, num_workers=num_workers)
+        self.size = None if size is None else sizes("size", size)
         self.files = sorted(p for p in self.root.rglob("*") if p.suffix.lower() in SUFFIXES)
         if not self.files:
             raise FileNotFoundError(f"root {str(root)!r} holds no images ({', '.join(SUFFIXES)})")

@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .._arguments import integers
 from .batch import ATTRIBUTES, CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample
 from .datamodule import SurroundDataModule
 from .geometry import gravity_aligned, projection, quaternion_matrix, rigid, rigid_inverse, scale_intrinsics
@@ -355,6 +356,8 @@ class NuScenes(SurroundDataModule):
                 "v1.0-mini has a built-in split"
             )
         self.save_hyperparameters()
+        integers(1, height=height, width=width, batch_size=batch_size)
+        integers(0, num_workers=num_workers)
 
     def datasets(self) -> tuple[NuScenesSurround, NuScenesSurround]:
         h = self.hparams

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from .._arguments import integers
 from .loading import resumable_loader
 
 COLOURS = torch.tensor([[0.0, 0.0, 0.0], [1.0, -1.0, -1.0], [-1.0, 1.0, -1.0], [-1.0, -1.0, 1.0]])
@@ -19,6 +20,8 @@ COLOURS = torch.tensor([[0.0, 0.0, 0.0], [1.0, -1.0, -1.0], [-1.0, 1.0, -1.0], [
 
 class Scenes(Dataset):
     def __init__(self, num_samples: int, height: int, width: int, seed: int = 0, boxes: int = 4):
+        integers(0, num_samples=num_samples, boxes=boxes)
+        integers(1, height=height, width=width)
         self.num_samples, self.height, self.width, self.seed, self.boxes = num_samples, height, width, seed, boxes
 
     def __len__(self) -> int:
@@ -52,6 +55,8 @@ class SyntheticScenes(L.LightningDataModule):
     ):
         super().__init__()
         self.save_hyperparameters()
+        integers(1, num_samples=num_samples, height=height, width=width, batch_size=batch_size)
+        integers(0, num_workers=num_workers, val_samples=val_samples)
 
     def train_dataloader(self) -> StatefulDataLoader:
         h = self.hparams

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.data import Dataset
 
+from .._arguments import integers
 from .batch import CAMERAS, CLASSES, POINT_CLOUD_RANGE, check_sample
 from .datamodule import SurroundDataModule
 from .geometry import projection, rigid, yaw_matrix
@@ -145,8 +146,8 @@ class SurroundScenes(Dataset):
         self.classes = tuple(classes) if classes is not None else CLASSES
         if (isinstance(cameras, int) and not 1 <= cameras <= len(RIG)) or not set(names) <= RIG.keys():
             raise ValueError(f"cameras={cameras!r}: the synthetic rig calibrates {len(RIG)} cameras, {CAMERAS}")
-        if height < 1 or width < 1:
-            raise ValueError(f"image size must be positive, got height={height}, width={width}")
+        integers(1, height=height, width=width)
+        integers(0, num_samples=num_samples, max_objects=max_objects)
         if len(distance) != 2 or not 0 <= distance[0] <= distance[1]:
             raise ValueError(f"distance={tuple(distance)!r}: give (near, far) metres with 0 <= near <= far")
         self.distance = (float(distance[0]), float(distance[1]))
@@ -219,6 +220,9 @@ class SurroundSynthetic(SurroundDataModule):
     ):
         super().__init__()
         self.save_hyperparameters()
+        integers(1, num_samples=num_samples, batch_size=batch_size)
+        integers(0, num_workers=num_workers)
+        self.datasets()  # their arguments checked now, not in each rank's setup
 
     def datasets(self) -> tuple[SurroundScenes, SurroundScenes]:
         h = self.hparams

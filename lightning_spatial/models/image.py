@@ -16,7 +16,11 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 
+from .._arguments import integers, numbers, positive
+from ..tensor import unwrap
+
 TASKS = ("classification", "segmentation")
+IGNORED = -100  # F.cross_entropy's ignore_index: a target pixel that counts for nothing
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -35,6 +39,9 @@ class ImageTask(L.LightningModule):
         super().__init__()
         _check_choice("task", task, TASKS)
         _check_choice("optimizer", optimizer, OPTIMIZERS)
+        integers(1, num_classes=num_classes)
+        positive(lr=lr)
+        numbers(0, weight_decay=weight_decay)
         self.save_hyperparameters()
         overlay = _weights_overlay(backbone, checkpoint_path, task) if checkpoint_path else None
         common = {"pretrained": checkpoint_path is not None, "pretrained_cfg_overlay": overlay}
@@ -50,10 +57,27 @@ class ImageTask(L.LightningModule):
         self.train_accuracy, self.val_accuracy = metric.clone(), metric.clone()
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
+        if image.dtype != self.dtype:
+            raise ValueError(
+                f"image is {image.dtype} but the model's parameters are {self.dtype}: give {self.dtype} images "
+                "(normalised; Trainer(precision=...) converts a batch to its dtype)"
+            )
         if self.head is None:
             return self.backbone(image)
         features = self.backbone(image)[-1]
         return F.interpolate(self.head(features), size=image.shape[-2:], mode="bilinear", align_corners=False)
+
+    def on_before_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
+        """The targets checked on the host, before they go to the device (reading them there would wait for the
+        device every step): int64 (B,) labels or (B, H, W) masks in [0, num_classes) (-100: cross_entropy's ignored
+        value). Of a sharded mask this rank reads its own part. (``forward`` checks the image's dtype: in the
+        automatic plan's probe this hook meets the batch before the Trainer converts the module's precision.)"""
+        image = batch["image"]
+        key = "label" if self.head is None else "mask"
+        if key in batch:  # not in prediction
+            expected = (image.shape[0],) if self.head is None else (image.shape[0], *image.shape[-2:])
+            _check_target(key, batch[key], expected, self.hparams.num_classes)
+        return batch
 
     def _step(self, batch, stage: str, accuracy: torchmetrics.Metric):
         logits = self(batch["image"])
@@ -80,6 +104,19 @@ class ImageTask(L.LightningModule):
         if h.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=h.lr, momentum=0.9, weight_decay=h.weight_decay)
         return torch.optim.AdamW(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)
+
+
+def _check_target(key: str, target: torch.Tensor, shape: tuple[int, ...], num_classes: int) -> None:
+    if target.dtype != torch.int64 or tuple(target.shape) != shape:
+        raise ValueError(f"{key} must be int64 {shape} to match the images, got {target.dtype} {tuple(target.shape)}")
+    local = unwrap(target)[0]
+    outside = ((local < 0) | (local >= num_classes)) & (local != IGNORED)
+    if outside.any():
+        where = outside.nonzero()[0].tolist()
+        raise ValueError(
+            f"{key} of sample {where[0]} holds {local[tuple(where)].item()}, outside [0, {num_classes}): the model has "
+            f"num_classes={num_classes} (model.num_classes: the data's class count, background included for masks)"
+        )
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

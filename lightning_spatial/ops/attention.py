@@ -14,7 +14,8 @@ transformer layers reach it through torch's own ``multi_head_attention_forward``
 - **both sharded** (self-attention over camera tokens): keys and values are all-gathered, so every rank holds
   all of K/V (and the adjoint reduce-scatters their gradients), then it is the local case.
 
-Dropout, a float mask that needs a gradient, or a device or dtype without a fused kernel take torch's math
+Dropout, a float mask that needs a gradient, empty attention (no query rows), or a device or dtype without a fused
+kernel take torch's math
 formula written on the sharded tensors: scores, softmax, dropout (its mask drawn for the global attention
 matrix, as for every sharded dropout) and the value product dispatch to their own exact handlers.
 """
@@ -134,7 +135,9 @@ def _bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor):
 
 
 def _fused(q, k, v, bias) -> bool:
-    if q.dim() != 4 or not q.is_floating_point():
+    """Whether a fused kernel takes these shards. Not with no query rows (or any empty dim): the CPU flash kernel
+    divides by their count (SIGFPE), and the math path is exact for empty attention as for any other."""
+    if q.dim() != 4 or not q.is_floating_point() or q.numel() == 0 or k.numel() == 0:
         return False
     if q.is_cuda:
         params = torch.backends.cuda.SDPAParams(q, k, v, bias, 0.0, False, False)

@@ -5,7 +5,8 @@ The hooks, each small:
 - ``setup_environment``: the (data, spatial_h, spatial_w) DeviceMesh, every group with the strategy's
   ``timeout``; every rank of a spatial group gets the same random stream (dropout masks must agree). With
   ``spatial_size="auto"`` the mesh waits for ``setup``, where ``plan.make_plan`` chooses it from a probe of the
-  model on the first training batch (other stages reuse this process's last plan, or probe the training data too).
+  model on the first training batch (other stages reuse this process's last plan, or probe the training data too);
+  ``global_batch_size`` then sets the gradient accumulation that keeps the global batch.
 - ``process_dataloader``: the collate hook cuts image-sized tensors to this rank's rows; the sampler
   splits samples over the data axis only (``distributed_sampler_kwargs``), unpadded for validation and test (each
   sample counted once), and a resumed training epoch draws its saved order (``_loaders``).
@@ -38,6 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -48,11 +50,12 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from .._arguments import integers
 from ..graphs import noting_bucket_views
 from ..layout import Axis
 from ..mesh import SpatialDims, tiles
 from ..ops import norm
-from ..plan import Plan, make_plan, parse_budget
+from ..plan import Plan, accumulation, describe_batches, make_plan, parse_budget
 from ..sharding import Select, ShardingCollate, describe
 from ..tensor import FallbackMode, SpatialTensor, fallback_mode, gather
 from ._loaders import exact_mean, prepare_loader
@@ -72,6 +75,13 @@ class SpatialParallelStrategy(DDPStrategy):
         memory_budget: bytes one rank may use (an int, or a string such as ``"70GiB"``), for ``"auto"`` only.
             Default: 90% of the free memory of each device (of the host, split over a node's processes, on
             CPU), the smallest over ranks.
+        global_batch_size: samples per optimizer step, for ``"auto"`` only. The plan's spatial size sets the
+            data-parallel size (processes / spatial size), so with a fixed DataLoader batch size the global batch
+            and the steps per epoch would follow the free memory; this keeps the global batch by gradient
+            accumulation (``trainer.accumulate_grad_batches``, set before the optimizers are configured), and the
+            batch the probe measured stays the batch of each replica. Unreachable (not a multiple of replicas x
+            batch size) raises naming the sizes. Either way the plan logs the data-parallel size, the batch per
+            replica, the global batch and the optimizer steps per epoch when training starts.
         shard_select: ``(path, tensor) -> bool`` choosing the batch tensors to shard; default: every tensor
             whose trailing two dims equal the image's (H, W) (``sharding.image_size`` says which is the image).
         fallback: an op without a spatial handler gathers its operands: ``"warn"`` once per op (default),
@@ -95,6 +105,7 @@ class SpatialParallelStrategy(DDPStrategy):
         spatial_size: int | tuple[int, int] | Literal["auto"] | None = None,
         shard_dim: Literal["width", "height"] = "width",
         memory_budget: int | str | None = None,
+        global_batch_size: int | None = None,
         shard_select: Select | None = None,
         fallback: FallbackMode = "warn",
         cuda_graphs: Sequence[str] = (),
@@ -116,6 +127,13 @@ class SpatialParallelStrategy(DDPStrategy):
         SpatialDims(h * w, h, w)  # now, not in the ranks; whether it divides the world waits for the world size
         if memory_budget is not None and not auto:
             raise ValueError(f"memory_budget is for spatial_size='auto', got spatial_size={spatial_size!r}")
+        if global_batch_size is not None and not auto:
+            raise ValueError(
+                f"global_batch_size is for spatial_size='auto', got spatial_size={spatial_size!r}: a fixed spatial "
+                "size fixes the data-parallel size, and Trainer(accumulate_grad_batches=...) the global batch"
+            )
+        if global_batch_size is not None:
+            integers(1, global_batch_size=global_batch_size)
         if isinstance(cuda_graphs, str):
             raise ValueError(f"cuda_graphs is a list of submodule names, got the string {cuda_graphs!r}")
         if fallback not in ("warn", "error", "silent"):
@@ -134,6 +152,8 @@ class SpatialParallelStrategy(DDPStrategy):
         )
         self._spatial_size = spatial_size
         self._memory_budget = parse_budget(memory_budget)
+        self._global_batch_size = global_batch_size
+        self._accumulation = 1  # what global_batch_size set trainer.accumulate_grad_batches to
         self._shard_dim = shard_dim
         self._shard_select = shard_select
         self._fallback = fallback
@@ -235,7 +255,27 @@ class SpatialParallelStrategy(DDPStrategy):
             gradient_copy = not self._ddp_kwargs.get("gradient_as_bucket_view", False)
             self.plan = make_plan(self, trainer, self._memory_budget, self._shard_select, gradient_copy)
             rank_zero_info(self.plan.describe())
+            if self._global_batch_size is not None and trainer.state.fn == TrainerFn.FITTING:
+                self._keep_global_batch(trainer)
         return self.plan
+
+    def _keep_global_batch(self, trainer) -> None:
+        """Gradient accumulation that makes ``global_batch_size`` from the plan's replicas and batch size."""
+        scheduled = any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)
+        if trainer.accumulate_grad_batches not in (1, self._accumulation) or scheduled:
+            raise ValueError(
+                f"global_batch_size={self._global_batch_size} sets the gradient accumulation itself: remove "
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) or the "
+                "GradientAccumulationScheduler, or leave global_batch_size out"
+            )
+        self._accumulation = trainer.accumulate_grad_batches = accumulation(self._global_batch_size, self.plan)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.plan is not None:  # spatial_size="auto": what the plan made of the batches
+            trainer = self.lightning_module.trainer
+            rank_zero_info(describe_batches(self.plan, trainer.accumulate_grad_batches, trainer.num_training_batches))
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:

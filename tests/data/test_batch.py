@@ -15,7 +15,7 @@ def _sample(boxes: int = 2, cameras: int = 3, size=(4, 6), seed: int = 0) -> dic
         "lidar2img": torch.randn(cameras, 4, 4, generator=g),
         "intrinsics": torch.randn(cameras, 3, 3, generator=g),
         "cam2ego": torch.randn(cameras, 4, 4, generator=g),
-        "boxes": torch.randn(boxes, 9, generator=g),
+        "boxes": torch.randn(boxes, 9, generator=g).index_add(1, torch.arange(3, 6), torch.full((boxes, 3), 3.0)),
         "labels": torch.randint(0, 10, (boxes,), generator=g),
     }
 
@@ -35,21 +35,31 @@ def test_collate_names_mismatched_camera_counts():
         collate_surround([_sample(cameras=3), _sample(cameras=2)])
 
 
-def test_check_names_a_nan_box_field():
+def test_check_accepts_unknown_velocities():
     sample = _sample(3)
-    sample["boxes"][1, 2] = float("nan")
-    with pytest.raises(ValueError, match=r"here: boxes row 1 has a non-finite z"):
-        check_sample(sample, "here")
-    sample = _sample(3)
-    sample["boxes"][1, 7] = float("inf")
-    with pytest.raises(ValueError, match=r"here: boxes row 1 has a non-finite vx \(inf\)"):
-        check_sample(sample, "here")
-
-
-def test_check_accepts_an_unknown_velocity():
-    sample = _sample(3)
-    sample["boxes"][1, 7:] = float("nan")  # what the nuScenes devkit has for a lone annotation
+    sample["boxes"][1, 7:] = float("nan")  # the devkit's velocity of a lone annotation
+    sample["boxes"][2, 8] = float("nan")
     assert check_sample(sample, "here") is sample
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "row, field, value, message",
+    [
+        (1, 2, NAN, r"here: boxes row 1 has z = nan: only vx, vy may be NaN \(unknown\); repair or drop that box"),
+        (2, 8, INF, r"here: boxes row 2 has vy = inf: only vx, vy may be NaN"),
+        (0, 7, -INF, r"here: boxes row 0 has vx = -inf"),
+        (0, 3, 0.0, r"here: boxes row 0 has w = 0.0: sizes w, l, h must be > 0 \(metres\)"),
+        (2, 5, -1.5, r"here: boxes row 2 has h = -1.5: sizes w, l, h must be > 0"),
+    ],
+)
+def test_check_names_the_sample_row_and_field_of_a_bad_box(row, field, value, message):
+    sample = _sample(3)
+    sample["boxes"][row, field] = value
+    with pytest.raises(ValueError, match=message):
+        check_sample(sample, "here")
 
 
 def _with_metric_fields(sample: dict, regions: int, seed: int) -> dict:
@@ -83,6 +93,28 @@ def test_check_names_bad_attributes_and_ignore_regions(field, value, message):
     sample[field] = value
     with pytest.raises(ValueError, match=f"here: {message}"):
         check_sample(sample, "here")
+
+
+@pytest.mark.parametrize(
+    "labels, message",
+    [
+        (torch.tensor([0, 10, 2]), r"here: labels row 1 is 10, outside \[0, 10\): labels index CLASSES"),
+        (torch.tensor([0, 1, -1]), r"here: labels row 2 is -1, outside \[0, 10\)"),
+        (torch.tensor([0, 1, 2]).int(), r"labels must be int64 \(3,\) to match the boxes, got torch.int32"),
+        (torch.tensor([0, 1]), r"labels must be int64 \(3,\) to match the boxes, got torch.int64 \(2,\)"),
+    ],
+)
+def test_check_names_a_label_of_no_class_or_of_another_type(labels, message):
+    with pytest.raises(ValueError, match=message):
+        check_sample({**_sample(3), "labels": labels}, "here")
+
+
+def test_check_names_boxes_of_another_type_or_width():
+    sample = _sample(3)
+    with pytest.raises(ValueError, match=r"boxes must be floating point \(m, 9\) .*, got torch.int64 \(3, 9\)"):
+        check_sample({**sample, "boxes": sample["boxes"].long()}, "here")
+    with pytest.raises(ValueError, match=r"boxes must be floating point \(m, 9\) .*, got torch.float32 \(3, 7\)"):
+        check_sample({**sample, "boxes": sample["boxes"][:, :7]}, "here")
 
 
 @pytest.mark.parametrize(

@@ -112,17 +112,17 @@ class Scenes:
         g = self.g
         distance, angle = g.uniform(5, 30), g.uniform(-math.pi, math.pi)
         local = np.array([distance * math.cos(angle), distance * math.sin(angle), 0.5])
-        w, l, h, yaw = g.uniform(1.5, 3), g.uniform(4, 8), g.uniform(1.0, 1.5), g.uniform(-math.pi, math.pi)
+        w, length, h, yaw = g.uniform(1.5, 3), g.uniform(4, 8), g.uniform(1.0, 1.5), g.uniform(-math.pi, math.pi)
         instance = self.folder.instance(self.token("instance"), BIKE_RACK)
         centre = self.to_global(sample, local)
-        self.folder.annotation(self.token("ann"), sample, instance, centre.tolist(), [w, l, h], yaw_quaternion(yaw),
-                               lidar=0)  # fmt: skip
+        size, rotation = [w, length, h], yaw_quaternion(yaw)
+        self.folder.annotation(self.token("ann"), sample, instance, centre.tolist(), size, rotation, lidar=0)
         rack_yaw = yaw - self.ego[sample][0]  # in the ego frame
         c, s = math.cos(rack_yaw), math.sin(rack_yaw)
-        # (along l, across w, up h) as fractions: two inside, one 0.4 m beside, one 0.3 m above
+        # (along length, across w, up h) as fractions: two inside, one 0.4 m beside, one 0.3 m above
         places = ((0.3, 0.2, 0.1), (-0.35, -0.3, 0.0), (0.2, 0.5 + 0.4 / w, 0.0), (0.0, 0.0, 0.5 + 0.3 / h))
         for along, across, up in places:
-            offset = np.array([along * l * c - across * w * s, along * l * s + across * w * c, up * h])
+            offset = np.array([along * length * c - across * w * s, along * length * s + across * w * c, up * h])
             name = str(g.choice(["bicycle", "motorcycle"]))
             self.object([sample], name, local + offset, lidar=5, attribute=self.attribute(name))
 
@@ -189,10 +189,19 @@ def to_ego(rows: np.ndarray, yaw: float, translation: np.ndarray) -> dict[str, t
 def results_file(path, rows_of: dict[str, np.ndarray]) -> None:
     """The devkit's submission format."""
     results = {
-        sample: [{"sample_token": sample, "translation": r[:3].tolist(), "size": r[3:6].tolist(),
-                  "rotation": yaw_quaternion(r[6]), "velocity": r[7:9].tolist(), "detection_name": CLASSES[int(r[9])],
-                  "detection_score": float(r[11]), "attribute_name": ATTRIBUTES[int(r[10])] if r[10] >= 0 else ""}
-                 for r in rows]  # fmt: skip
+        sample: [
+            {
+                "sample_token": sample,
+                "translation": r[:3].tolist(),
+                "size": r[3:6].tolist(),
+                "rotation": yaw_quaternion(r[6]),
+                "velocity": r[7:9].tolist(),
+                "detection_name": CLASSES[int(r[9])],
+                "detection_score": float(r[11]),
+                "attribute_name": ATTRIBUTES[int(r[10])] if r[10] >= 0 else "",
+            }
+            for r in rows
+        ]  # fmt: skip
         for sample, rows in rows_of.items()
     }
     meta = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_map": False, "use_external": False}

@@ -37,15 +37,17 @@ def random_boxes(count: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def surround_batch(batch=2, cameras=6, height=32, width=88, boxes=3, temporal=False, seed=0, classes=10):
+    """``boxes``: the box count of every sample, or one count per sample."""
     g = torch.Generator().manual_seed(seed)
+    counts = [boxes] * batch if isinstance(boxes, int) else list(boxes)
     intrinsics, cam2ego, lidar2img = rig(cameras, height, width)
     out = {
         "images": torch.randn(batch, cameras, 3, height, width, generator=g),
         "lidar2img": lidar2img.expand(batch, -1, -1, -1).clone(),
         "intrinsics": intrinsics.expand(batch, -1, -1, -1).clone(),
         "cam2ego": cam2ego.expand(batch, -1, -1, -1).clone(),
-        "boxes": [random_boxes(boxes, g) for _ in range(batch)],
-        "labels": [torch.randint(classes, (boxes,), generator=g) for _ in range(batch)],
+        "boxes": [random_boxes(m, g) for m in counts],
+        "labels": [torch.randint(classes, (m,), generator=g) for m in counts],
     }
     if temporal:
         # The previous frame: the ego was 2 m behind, so its cameras sit 2 m back in the current ego frame.

@@ -11,6 +11,7 @@ import torch
 import torchmetrics
 import torchvision
 
+from lightning_spatial import SpatialParallelStrategy
 from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
 from lightning_spatial.models.bev import boxes as box_code
 from lightning_spatial.models.bev.backbone import ImageEncoder
@@ -234,6 +235,15 @@ def test_an_unknown_velocity_adds_nothing_to_the_loss_or_its_gradients(head):
         torch.testing.assert_close(grad, (a + b) / 2, rtol=1e-5, atol=1e-7)
 
 
+def test_a_bad_target_fails_the_matching_naming_the_box_not_the_training():
+    """Called without the batch check (no Trainer): a NaN in a target is the data's fault, and says so."""
+    head = QueryHead(16, 10, RANGE)
+    boxes = random_boxes(3, torch.Generator().manual_seed(3))
+    boxes[2, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"matching of sample 0: its box row 2 encodes to NaN or inf .*repair or drop"):
+        head.match(torch.randn(1, 1, 8, 10), torch.randn(1, 1, 8, 10), [box_code.encode(boxes)], [torch.arange(3)])
+
+
 # --- how each module assembles geometry and features ----------------------------------------------------
 
 
@@ -364,6 +374,98 @@ def test_bad_input_raises_before_the_backbone_runs(name):
     with pytest.raises(ValueError, match=r"lidar2img\[1, 4\] is singular, so no pixel maps back to a ray"):
         model({**batch, "lidar2img": singular})
     assert not calls
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _box(batch, sample: int, row: int, field: int, value: float) -> dict:
+    boxes = [b.clone() for b in batch["boxes"]]
+    boxes[sample][row, field] = value
+    return {**batch, "boxes": boxes}
+
+
+def _label(batch, sample: int, row: int, value: int) -> dict:
+    labels = [lab.clone() for lab in batch["labels"]]
+    labels[sample][row] = value
+    return {**batch, "labels": labels}
+
+
+BAD_BATCHES = {  # name -> (a good batch made bad, the message)
+    "nan_z": (lambda b: _box(b, 1, 0, 2, NAN), r"batch sample 1: boxes row 0 has z = nan: only vx, vy may be NaN"),
+    "inf_vx": (lambda b: _box(b, 0, 2, 7, INF), r"batch sample 0: boxes row 2 has vx = inf: only vx, vy may be NaN"),
+    "zero_length": (lambda b: _box(b, 1, 1, 4, 0.0), r"batch sample 1: boxes row 1 has l = 0.0: sizes w, l, h must"),
+    "negative_width": (lambda b: _box(b, 0, 0, 3, -2.0), r"batch sample 0: boxes row 0 has w = -2.0: sizes w, l, h"),
+    "label_of_no_class": (
+        lambda b: _label(b, 1, 2, 10),
+        r"batch sample 1: labels row 2 is 10, outside \[0, 10\): the model has num_classes=10 \(set it to the data",
+    ),
+    "negative_label": (lambda b: _label(b, 0, 1, -1), r"batch sample 0: labels row 1 is -1, outside \[0, 10\)"),
+    "int32_labels": (
+        lambda b: {**b, "labels": [lab.int() for lab in b["labels"]]},
+        r"batch sample 0: labels must be int64 \(3,\) to match the boxes, got torch.int32",
+    ),
+    "uint8_images": (
+        lambda b: {**b, "images": b["images"].mul(50).clamp(0, 255).to(torch.uint8)},
+        r"images are torch.uint8 but the model's parameters are torch.float32: give torch.float32 images",
+    ),
+    "float64_images": (
+        lambda b: {**b, "images": b["images"].double()},
+        r"images are torch.float64 but the model's parameters are torch.float32",
+    ),
+    "boxes_of_7_values": (
+        lambda b: {**b, "boxes": [x[:, :7] for x in b["boxes"]]},
+        r"boxes\[0\] must be \(m, 9\) and labels\[0\] \(m,\), got \(3, 7\) and \(3,\)",
+    ),
+}
+
+
+class NoOptimizerStep(L.Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        raise AssertionError("an optimizer step ran on a bad batch")
+
+
+@pytest.mark.parametrize("case", list(BAD_BATCHES))
+def test_a_bad_batch_fails_before_any_optimizer_step_naming_the_field_and_sample(case):
+    """Checked on the host (``on_before_batch_transfer``; the images' dtype in ``forward``): Lift-Splat trained on
+    with a NaN loss, PETR blamed the training, the rest failed deep in a kernel."""
+    torch.manual_seed(0)
+    model = LiftSplat.tiny()
+    before = [p.detach().clone() for p in model.parameters()]
+    edit, message = BAD_BATCHES[case]
+    batch = edit(surround_batch(batch=2, cameras=2))
+    with pytest.raises(ValueError, match=message):
+        _quiet_trainer(max_steps=1, limit_val_batches=0, callbacks=[NoOptimizerStep()]).fit(model, _loader([batch]))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("detector", [PETR, LiftSplat, SimpleBEV], ids=lambda c: c.__name__)
+def test_every_detector_checks_labels_against_its_own_classes_and_accepts_unknown_velocities(detector):
+    model, batch = detector.tiny(num_classes=3), surround_batch(batch=2, cameras=2, classes=3)
+    unknown = _box(_box(batch, 1, 2, 7, NAN), 1, 2, 8, NAN)  # the devkit's velocity of a lone annotation
+    assert model.on_before_batch_transfer(unknown, 0) is unknown
+    with pytest.raises(ValueError, match=r"batch sample 0: labels row 1 is 3, outside \[0, 3\): the model has num_c"):
+        model.on_before_batch_transfer(_label(batch, 0, 1, 3), 0)
+
+
+def test_a_bad_box_fails_on_every_rank_under_spatial_tp():
+    """The check reads the replicated boxes beside the sharded images, on the host: every rank raises alike."""
+    torch.manual_seed(0)
+    batch = _box(surround_batch(batch=1, cameras=2, height=64, width=96), 0, 1, 5, -1.0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SpatialParallelStrategy(2, start_method="fork"),
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[NoOptimizerStep()],
+    )
+    with pytest.raises(Exception, match=r"batch sample 0: boxes row 1 has h = -1.0: sizes w, l, h must be > 0"):
+        trainer.fit(LiftSplat.tiny(), _loader([batch]))
 
 
 def test_petrv2_needs_and_uses_the_previous_frame():
@@ -557,3 +659,41 @@ def test_warmup_ramps_the_learning_rate_per_step(name):
     backbone = {id(p) for p in model.encoder.backbone.parameters()}
     assert {id(p) for p in groups[1]["params"]} == backbone
     assert len(groups[0]["params"]) + len(backbone) == len(list(model.parameters()))
+
+
+def _validate(model: L.LightningModule, batches: list, strategy, devices: int) -> dict[str, float]:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="64-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    (metrics,) = trainer.validate(model, _loader(batches), verbose=False)
+    return metrics
+
+
+@pytest.mark.parametrize(
+    "detector, options",
+    [(PETR, dict(num_queries=0)), (LiftSplat, {})],  # no queries: no predictions at all; or empty scenes alone
+    ids=["petr_no_queries", "lift_splat"],
+)
+def test_validation_of_empty_scenes_and_predictions_under_spatial_tp_scores_as_one_device(detector, options):
+    """Samples and a whole batch without boxes, and a model that predicts nothing: the losses and the nuScenes
+    metric under width 2 equal one device's (float64)."""
+    from lightning_spatial.metrics import NuScenesDetection
+
+    batches = [
+        surround_batch(batch=2, cameras=2, height=64, width=96, boxes=b, seed=s) for s, b in enumerate([[0, 2], [0, 0]])
+    ]
+    results = []
+    for strategy, devices in (("auto", 1), (SpatialParallelStrategy(2, start_method="fork", fallback="error"), 2)):
+        torch.manual_seed(0)
+        results.append(_validate(detector.tiny(metric=NuScenesDetection(), **options), batches, strategy, devices))
+    one, ours = results
+    assert set(ours) == set(one) and {"val_loss", "val_mAP", "val_NDS"} <= set(one), set(one)
+    for key, expected in one.items():
+        assert ours[key] == pytest.approx(expected, rel=1e-11, abs=1e-12, nan_ok=True), key

@@ -1,6 +1,7 @@
 """The unchanged BEV modules on width-sharded images (2 gloo ranks, float64): loss and image gradient equal
 the single-process ones, with every op on a spatial handler: Lift-Splat's voxel pooling (``index_add``) and
-PETRv2's cross-attention over camera tokens included. A module may take the exact gather fallback only for the
+PETRv2's cross-attention over camera tokens included; empty inputs too (no queries, samples and whole batches
+without boxes), as on one device. A module may take the exact gather fallback only for the
 ops in its ``allowed`` set (none today), so a new fallback fails here."""
 
 from __future__ import annotations
@@ -15,19 +16,26 @@ from tests.models.surround import surround_batch
 from tests.oracle import check
 from tests.spmd import axes, run_spmd
 
-CASES = {
-    "lift_splat": (LiftSplat.tiny, {}, set()),  # voxel pooling of the frustum features: ops.index
-    "simple_bev": (SimpleBEV.tiny, {}, set()),
-    "petrv2": (PETR.tiny, dict(temporal=True, feature_guided_pe=True), set()),  # cross-attention: ops.attention
-    "petr_denoising": (PETR.tiny, dict(denoise_groups=2), set()),  # extra queries, a self-attention mask
+CASES = {  # name -> (model, its options, box counts per sample, allowed fallbacks)
+    "lift_splat": (LiftSplat.tiny, {}, [3], set()),  # voxel pooling of the frustum features: ops.index
+    "simple_bev": (SimpleBEV.tiny, {}, [3], set()),
+    "petrv2": (PETR.tiny, dict(temporal=True, feature_guided_pe=True), [3], set()),  # cross-attention: ops.attention
+    "petr_denoising": (PETR.tiny, dict(denoise_groups=2), [3], set()),  # extra queries, a self-attention mask
+    # empty inputs: a sample without boxes beside one with boxes, a batch without any, no matching queries
+    "lift_splat_empty_sample": (LiftSplat.tiny, {}, [0, 2], set()),
+    "simple_bev_empty_batch": (SimpleBEV.tiny, {}, [0, 0], set()),
+    "petr_empty_batch": (PETR.tiny, dict(denoise_groups=2), [0, 0], set()),
+    "petr_no_queries": (PETR.tiny, dict(num_queries=0), [3], set()),
+    "petr_no_queries_denoising": (PETR.tiny, dict(num_queries=0, denoise_groups=2), [2, 0], set()),
 }
 
 
 def _case(name):
-    make, options, allowed = CASES[name]
+    make, options, boxes, allowed = CASES[name]
     torch.manual_seed(0)
     model = make(**options).double()
-    batch = surround_batch(batch=1, cameras=2, height=32, width=96, temporal=options.get("temporal", False))
+    temporal = options.get("temporal", False)
+    batch = surround_batch(batch=len(boxes), cameras=2, height=32, width=96, boxes=boxes, temporal=temporal)
     batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
 
     names = [k for k in ("images", "prev_images") if k in batch]  # sharded like the strategy's collate does

@@ -77,6 +77,11 @@ SDPA = {
         ),
         [1],
     ),
+    "sdpa_no_queries": (  # the fused kernels divide by the query rows: empty attention, as on one device
+        lambda lay: [torch.randn(B, HEADS, 0, E), _maps(lay), _padding(lay)],
+        lambda q, m, keep: F.scaled_dot_product_attention(q, *kv(m), attn_mask=keep.flatten(1)[:, None, None]),
+        [1, 2],
+    ),
     "sdpa_causal_scale_gqa": (
         lambda lay: [_q(), _maps(lay, 2 * E)],
         lambda q, m: F.scaled_dot_product_attention(
@@ -144,6 +149,14 @@ MODULES = {
         _mha(batch_first=True),
         (
             lambda lay: [torch.randn(B, LQ, C), _maps(lay, C)],
+            lambda f, q, m: f(q, tokens(m), tokens(m), need_weights=False)[0],
+            [1],
+        ),
+    ),
+    "mha_no_queries": (  # PETR with num_queries=0: cross-attention from an empty query set
+        _mha(batch_first=True),
+        (
+            lambda lay: [torch.randn(B, 0, C), _maps(lay, C)],
             lambda f, q, m: f(q, tokens(m), tokens(m), need_weights=False)[0],
             [1],
         ),

@@ -279,3 +279,100 @@ def _halos_read_as_zeros():
 def test_halos_the_fake_groups_never_deliver_read_as_zeros():
     """A NaN in a halo would stop a detector's Hungarian matching in the probe."""
     run_spmd(_halos_read_as_zeros, 2)
+
+
+class CheckBatches(L.Callback):
+    """In every rank: the accumulation the global batch asks for, and rank 0's log line of what the plan made of the
+    batches (set up before the strategy's setup, read when training starts, after the strategy's line)."""
+
+    def __init__(self, accumulation: int, line: str):
+        self.accumulation, self.line = accumulation, line
+
+    def setup(self, trainer, pl_module, stage):
+        self.log = []
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.log.append(record.getMessage())
+        logging.getLogger("lightning.pytorch").addHandler(self.handler)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        logging.getLogger("lightning.pytorch").removeHandler(self.handler)
+        assert trainer.accumulate_grad_batches == self.accumulation
+        lines = [m for m in self.log if "global batch" in m]
+        assert lines == ([self.line] if trainer.global_rank == 0 else []), lines
+
+    def on_train_end(self, trainer, pl_module):
+        assert trainer.global_step == 2  # 2 epochs of 8 samples, 8 per optimizer step
+
+
+def _fit_global_batch(data, batch_size: int, global_batch_size: int | None, callbacks, model) -> None:
+    strategy = SpatialParallelStrategy(
+        "auto", memory_budget="1TiB", global_batch_size=global_batch_size, start_method="fork"
+    )
+    L.Trainer(
+        accelerator="cpu",
+        devices=2 if global_batch_size else 1,
+        strategy=strategy if global_batch_size else "auto",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    ).fit(model, loader(data, batch_size))
+
+
+def test_a_global_batch_is_kept_by_accumulating_gradients_to_the_single_device_weights():
+    """2 processes, everything fits: 2 data replicas of batch 2, so global_batch_size=8 accumulates 2 batches per
+    step, and training reaches the weights of one device on batches of 8 (ConvNeXt: no batch statistics; each step
+    takes all 8 samples, whatever order the distributed sampler shuffles them in)."""
+    from tests.strategy.test_equivalence import assert_same_weights
+
+    data = Images(8, 32, 64)
+    torch.manual_seed(0)
+    reference = LitModel("convnext_atto")
+    _fit_global_batch(data, 8, None, [], reference)
+    torch.manual_seed(0)
+    ours = LitModel("convnext_atto")
+    line = (
+        "lightning_spatial: plan: 2 data-parallel replica(s) x 2 samples per batch x 2 accumulated batch(es) = a "
+        "global batch of 8 samples per optimizer step; 1 optimizer step(s) per epoch (2 batches per replica)"
+    )
+    _fit_global_batch(data, 2, 8, [CheckBatches(2, line)], ours)
+    assert_same_weights(ours, reference)
+
+
+def test_an_unreachable_global_batch_names_the_sizes_and_what_to_do():
+    message = (
+        r"global_batch_size=6 is not reachable: the plan has 2 data-parallel replica\(s\) \(spatial size 1 on 2 "
+        r"processes\) of 2 samples per batch, so gradients accumulated over whole batches make multiples of 4\. Use a "
+        r"multiple of 4 \(say global_batch_size=4\)"
+    )
+    with pytest.raises(Exception, match=message):
+        _fit_global_batch(Images(8, 16, 32), 2, 6, [], LitModel("segnet"))
+
+
+def test_global_batch_size_is_for_an_automatic_plan_and_positive():
+    with pytest.raises(ValueError, match=r"global_batch_size is for spatial_size='auto', got spatial_size=2"):
+        SpatialParallelStrategy(2, global_batch_size=8)
+    with pytest.raises(ValueError, match=r"global_batch_size must be an integer >= 1, got 0"):
+        SpatialParallelStrategy("auto", global_batch_size=0)
+
+
+def test_a_module_that_checks_its_batches_plans_in_another_precision():
+    """The probe hands the module's batch hooks the batch in the precision's dtype before the Trainer converts the
+    module: a check of the images' dtype belongs in forward, which the probe runs on the converted copy."""
+    from lightning_spatial.models import ImageTask
+
+    L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SpatialParallelStrategy("auto", memory_budget="1TiB", start_method="fork"),
+        precision="64-true",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    ).fit(ImageTask("resnet18", "segmentation"), loader(Images(4, 32, 64), 2))

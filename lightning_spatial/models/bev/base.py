@@ -1,19 +1,23 @@
 """What the three BEV detectors share as LightningModules: steps, logging, the optional metric, the optimizer.
 
-A subclass calls ``save_hyperparameters(ignore=["metric"])`` (with ``lr``, ``weight_decay``, ``warmup_steps`` and
-``backbone_lr_mult`` among its arguments), builds ``self.encoder`` (an ``ImageEncoder``) and ``self.head``
-(``loss(outputs, boxes, labels) -> dict`` whose "loss" entry is the total, ``decode(outputs) -> list of
-{"boxes", "scores", "labels"}``) and defines ``forward(batch) -> outputs``.
+A subclass calls ``save_hyperparameters(ignore=["metric"])`` (with ``lr``, ``weight_decay``, ``warmup_steps``,
+``backbone_lr_mult``, ``num_classes`` and ``point_cloud_range`` among its arguments) and ``check_arguments`` on
+them, builds ``self.encoder`` (an ``ImageEncoder``) and ``self.head`` (``loss(outputs, boxes, labels) -> dict``
+whose "loss" entry is the total, ``decode(outputs) -> list of {"boxes", "scores", "labels"}``) and defines
+``forward(batch) -> outputs``, which starts with ``self.check_batch(batch)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import lightning as L
 import torch
 import torchmetrics
+
+from ..._arguments import integers, numbers, positive, sizes
+from .batch import check_contents, check_shapes
 
 NUSCENES_RANGE = (-51.2, -51.2, -5.0, 51.2, 51.2, 3.0)
 TARGETS = ("boxes", "labels", "attributes", "ignore_regions")  # the batch's per-sample lists the metric reads
@@ -30,6 +34,24 @@ class BEVDetector(L.LightningModule):
     @classmethod
     def tiny(cls, **overrides):
         return cls(**{**cls.TINY, **overrides})
+
+    def check_batch(self, batch: dict[str, Any]) -> None:
+        """``forward``'s check: shapes and the images' dtype against the parameters'; while the batch is on the CPU
+        (reading it waits for no device) its values too. Raises ValueError naming the field and the sample."""
+        temporal = self.hparams.get("temporal", False)
+        check_shapes(batch, temporal, self.dtype)
+        if batch["lidar2img"].device.type == "cpu":
+            check_contents(batch, self.hparams.num_classes, temporal)
+
+    def on_before_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, Any]:
+        """Every batch's shapes and values checked on the host, before a step trains on it: calibration, boxes,
+        labels against ``num_classes`` (``batch.py``). Not the images' dtype: in the automatic plan's probe this
+        hook meets the batch in the precision's dtype before the Trainer converts the module (``forward`` checks
+        it)."""
+        temporal = self.hparams.get("temporal", False)
+        check_shapes(batch, temporal)
+        check_contents(batch, self.hparams.num_classes, temporal)
+        return batch
 
     def loss(self, outputs, batch) -> dict[str, torch.Tensor]:
         return self.head.loss(outputs, batch["boxes"], batch["labels"], self.mean_over_replicas)
@@ -95,5 +117,36 @@ class BEVDetector(L.LightningModule):
 
 
 def as_range(point_cloud_range: Sequence[float]) -> tuple[float, ...]:
-    """Hydra passes lists; the grid wants a hashable tuple."""
-    return tuple(float(v) for v in point_cloud_range)
+    """Hydra passes lists; the grid wants a hashable tuple. A range that holds no box raises."""
+    r = tuple(float(v) for v in point_cloud_range)
+    if len(r) != 6 or not all(low < high for low, high in zip(r[:3], r[3:])):
+        raise ValueError(
+            f"point_cloud_range must be [x0, y0, z0, x1, y1, z1] (metres) with x0 < x1, y0 < y1, z0 < z1, got "
+            f"{list(point_cloud_range)}"
+        )
+    return r
+
+
+# argument -> the smallest value it takes; counts that may be empty (no queries, no detections) start at 0
+_AT_LEAST = dict(
+    num_classes=1, embed_dims=1, num_layers=1, num_heads=1, ffn_dims=1, depth_bins=1, context_channels=1,
+    bev_channels=1, bev_layers=1, head_channels=1, z_bins=1, num_queries=0, denoise_groups=0, max_detections=0,
+    warmup_steps=0,
+)  # fmt: skip
+
+
+def check_arguments(hparams: Mapping[str, Any]) -> None:
+    """A detector's constructor arguments (its ``hparams``), each checked by name; raises naming the argument."""
+    for name, minimum in _AT_LEAST.items():
+        if name in hparams:
+            integers(minimum, **{name: hparams[name]})
+    positive(lr=hparams["lr"])
+    numbers(0, weight_decay=hparams["weight_decay"], backbone_lr_mult=hparams["backbone_lr_mult"])
+    if not 0 <= hparams.get("dropout", 0) < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {hparams['dropout']!r}")
+    depth = hparams.get("depth_range")
+    if depth is not None and (len(depth) != 2 or not 0 < depth[0] < depth[1]):
+        raise ValueError(f"depth_range must be (near, far) metres with 0 < near < far, got {list(depth)}")
+    if "bev_size" in hparams:
+        sizes("bev_size", hparams["bev_size"])
+    as_range(hparams["point_cloud_range"])

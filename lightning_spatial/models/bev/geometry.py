@@ -34,7 +34,7 @@ def frustum_to_ego(
     u = pixel_centres(feature_hw[1], image_hw[1], device)
     d, v, u = torch.meshgrid(depths.to(device=device, dtype=torch.float32), v, u, indexing="ij")
     pixels = torch.stack([u * d, v * d, d, torch.ones_like(d)], -1)  # (D, h, w, 4)
-    # inv_ex: inv's singularity check would wait for the GPU; the models' check_batch has rejected singular ones
+    # inv_ex: inv's singularity check would wait for the GPU; the models' batch check rejects singular ones on the host
     img2lidar = torch.linalg.inv_ex(lidar2img.float()).inverse
     return torch.einsum("bnij,dhwj->bndhwi", img2lidar, pixels)[..., :3]
 

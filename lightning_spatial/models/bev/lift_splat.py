@@ -15,8 +15,7 @@ import torchmetrics
 from torch import nn
 
 from .backbone import ImageEncoder
-from .base import NUSCENES_RANGE, BEVDetector, as_range
-from .batch import check_batch
+from .base import NUSCENES_RANGE, BEVDetector, as_range, check_arguments
 from .center_head import CenterHead, bev_encoder
 from .geometry import BEVGrid, frustum_to_ego
 
@@ -58,6 +57,7 @@ class LiftSplat(BEVDetector):
     ):
         super().__init__(metric)
         self.save_hyperparameters(ignore=["metric"])
+        check_arguments(self.hparams)
         self.grid = BEVGrid(as_range(point_cloud_range), tuple(bev_size))
         self.encoder = ImageEncoder(backbone, embed_dims, stride, checkpoint_path)
         self.depth_net = nn.Conv2d(embed_dims, depth_bins + context_channels, 1)
@@ -66,7 +66,7 @@ class LiftSplat(BEVDetector):
         self.head = CenterHead(bev_channels, num_classes, self.grid, head_channels, max_detections)
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
-        check_batch(batch)
+        self.check_batch(batch)
         images = batch["images"]
         features = self.encoder(images.flatten(0, 1))
         depth, context = self.depth_net(features).split([len(self.depths), self.hparams.context_channels], 1)

@@ -18,8 +18,7 @@ import torchmetrics
 from torch import nn
 
 from .backbone import ImageEncoder
-from .base import NUSCENES_RANGE, BEVDetector, as_range
-from .batch import check_batch
+from .base import NUSCENES_RANGE, BEVDetector, as_range, check_arguments
 from .denoise import denoising_queries
 from .geometry import frustum_to_ego, inverse_sigmoid
 from .query_head import QueryHead
@@ -126,6 +125,12 @@ class PETR(BEVDetector):
     ):
         super().__init__(metric)
         self.save_hyperparameters(ignore=["metric"])
+        check_arguments(self.hparams)
+        if embed_dims % 4 or embed_dims % num_heads:
+            raise ValueError(
+                f"embed_dims={embed_dims} must be a multiple of 4 (the queries' sine embedding pairs sin and cos for "
+                f"each of 3 coordinates) and of num_heads={num_heads}"
+            )
         point_cloud_range = as_range(point_cloud_range)
         self.encoder = ImageEncoder(backbone, embed_dims, stride, checkpoint_path)
         depths = lid_depths(depth_bins, *depth_range)
@@ -139,7 +144,7 @@ class PETR(BEVDetector):
         self.head = QueryHead(embed_dims, num_classes, point_cloud_range, max_detections)
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
-        check_batch(batch, self.hparams.temporal)
+        self.check_batch(batch)
         images, lidar2img = batch["images"], batch["lidar2img"]
         if self.hparams.temporal:
             images = torch.cat([images, batch["prev_images"]], 1)

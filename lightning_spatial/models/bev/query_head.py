@@ -87,6 +87,12 @@ class QueryHead(nn.Module):
         host = torch.cat([c.flatten() for c in costs]).cpu().numpy()
         if not np.isfinite(host).all():  # the matching syncs anyway: the check costs no extra wait
             k, i = divmod(next(j for j, c in enumerate(costs) if not c.isfinite().all()), batch)
+            bad = ~targets[i][:, :8].isfinite().all(-1)
+            if bad.any():  # the data, not the training (the batch check on the host names it first)
+                raise ValueError(
+                    f"Hungarian matching of sample {i}: its box row {int(bad.nonzero()[0])} encodes to NaN or inf "
+                    f"({targets[i][bad][0].tolist()}): only vx, vy may be NaN; repair or drop that box in the data"
+                )
             raise FloatingPointError(
                 f"Hungarian matching of sample {i} (decoder layer {k}): the predictions hold NaN or inf (logits "
                 f"finite: {bool(logits[k, i].isfinite().all())}, box codes finite: "

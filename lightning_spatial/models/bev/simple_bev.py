@@ -15,8 +15,7 @@ import torch.nn.functional as F
 import torchmetrics
 
 from .backbone import ImageEncoder
-from .base import NUSCENES_RANGE, BEVDetector, as_range
-from .batch import check_batch
+from .base import NUSCENES_RANGE, BEVDetector, as_range, check_arguments
 from .center_head import CenterHead, bev_encoder
 from .geometry import BEVGrid, project
 
@@ -56,6 +55,7 @@ class SimpleBEV(BEVDetector):
     ):
         super().__init__(metric)
         self.save_hyperparameters(ignore=["metric"])
+        check_arguments(self.hparams)
         self.grid = BEVGrid(as_range(point_cloud_range), tuple(bev_size))
         self.encoder = ImageEncoder(backbone, embed_dims, stride, checkpoint_path)
         self.bev_encoder = bev_encoder(embed_dims * z_bins, bev_channels, bev_layers)
@@ -69,7 +69,7 @@ class SimpleBEV(BEVDetector):
         return torch.cat([xy, heights.view(z, 1, 1, 1).expand(z, nx, ny, 1)], -1).reshape(-1, 3)
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
-        check_batch(batch)
+        self.check_batch(batch)
         images = batch["images"]
         features = self.encoder(images.flatten(0, 1))
         return self.head(self.bev_encoder(self.lift(features, batch["lidar2img"], images.shape[-2:])))
