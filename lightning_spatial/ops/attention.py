@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from ..collectives import MAX, across_detached
+from ..fallback import fallback
 from ..layout import Layout
-from ..tensor import SpatialTensor, adopt, fallback, gather, localize, unwrap, wrap
-from ._common import eager_backward, meta_check, moved_shards
+from ..tensor import SpatialTensor, adopt, gather, unwrap, wrap
+from ._common import eager_backward, localize, meta_check, moved_shards
 
 
 def _along(layout: Layout | None, dim: int) -> bool:

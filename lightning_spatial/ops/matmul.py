@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from ..collectives import across
+from ..fallback import fallback, name_of
 from ..layout import DimShard, Layout, LayoutError
-from ..tensor import adopt, fallback, name_of, unwrap
+from ..tensor import adopt, unwrap
 from ._common import meta_check, moved_shards
 
 

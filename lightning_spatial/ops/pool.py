@@ -12,7 +12,6 @@ Max-pool indices are global flat indices into the input plane, as on one device.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from ..collectives import MAX, MIN, across_detached, all_reduce
 from ..halo import fetch_window
 from ..layout import DimShard, adaptive_bins, conv_window, partition, pool_out_size
+from ..plans import planned
 from ..tensor import adopt, unwrap
 from ._binding import bound
 from ._common import (
@@ -69,7 +69,7 @@ def _max_pool(nd: int):
         kernel = ntuple(kernel_size, nd, "kernel_size")
         stride = ntuple(stride if stride not in (None, [], ()) else kernel_size, nd, "stride")
         padding, dilation = ntuple(padding, nd, "padding"), ntuple(dilation, nd, "dilation")
-        shards = spatial_shards(op, x, layout, nd)
+        shards = spatial_shards(op, layout, nd)
         _check_pad(op, [kernel[i] for i in shards], [padding[i] for i in shards])
         out_sizes = output_sizes(
             op, shards, lambda i, s: pool_out_size(s.size, kernel[i], stride[i], padding[i], dilation[i], ceil_mode)
@@ -93,7 +93,7 @@ def _max_pool(nd: int):
     return max_pool
 
 
-@lru_cache(maxsize=1024)
+@planned(maxsize=1024)
 def _divisor(n: int, lo: int, hi: int, kernel: int, stride: int, padding: int, include_pad: bool, dtype, device):
     """torch's average-pool divisor for output rows ``[lo, hi)`` of one dim (built once per device)."""
     counts = []
@@ -114,7 +114,7 @@ def _avg_pool(nd: int):
         kernel = ntuple(kernel_size, nd, "kernel_size")
         stride = ntuple(stride if stride not in (None, [], ()) else kernel_size, nd, "stride")
         padding = ntuple(padding, nd, "padding")
-        shards = spatial_shards(op, x, layout, nd)
+        shards = spatial_shards(op, layout, nd)
         _check_pad(op, kernel, padding)
         global_sizes = layout.global_shape(x)[-nd:]
         out_sizes = output_sizes(
@@ -163,7 +163,7 @@ def _output_sizes(output_size, global_sizes, nd: int) -> list[int]:
     return [n if m is None else int(m) for m, n in zip(sizes, global_sizes)]
 
 
-@lru_cache(maxsize=1024)
+@planned(maxsize=1024)
 def _bins_here(n: int, m: int, parts: int, index: int) -> tuple[tuple[tuple[int, int], ...], tuple | None, bool]:
     """(bins this rank computes, clipped to the rows it holds; every rank's window or None; partial?).
 
@@ -188,7 +188,7 @@ def _rows_for_bins(y: torch.Tensor, s: DimShard, m: int, *extra: torch.Tensor | 
     return fetch_window(y, s, windows), extra, bins, windows[s.axis.index][0], False
 
 
-@lru_cache(maxsize=1024)
+@planned(maxsize=1024)
 def _bin_weights(n: int, m: int, parts: int, index: int, length: int, dtype, device) -> torch.Tensor:
     """Averaging matrix (bins x rows held) for one dim, built once per device."""
     bins, windows, partial = _bins_here(n, m, parts, index)
@@ -238,7 +238,7 @@ def adaptive_pool(nd: int, kind: str):
 
     def adaptive(input, output_size, return_indices=False):
         x, layout = unwrap(input)
-        shards = spatial_shards(op, x, layout, nd)
+        shards = spatial_shards(op, layout, nd)
         global_sizes = layout.global_shape(x)[-nd:]
         sizes = _output_sizes(output_size, global_sizes, nd)
         local_target = [x.shape[i - nd] if i in shards else sizes[i] for i in range(nd)]

@@ -20,8 +20,9 @@ The hooks, each small:
 - ``reduce``/``all_gather`` and torchmetrics sync over the data axis (spatial ranks hold the same values).
 - ``predict_step`` returns full tensors (sharded outputs gathered), one copy per spatial rank.
 - checkpoints: parameters and buffers are plain replicated tensors; rank 0 saves a standard checkpoint.
-- for the run (``setup`` to ``teardown``): the ``fallback`` mode, BatchNorm's data axis, module paths for
-  messages, torchmetrics' sync group, CUDA graphs of named submodules (``_scopes``).
+- for the run (``setup`` to ``teardown``), one ``run.Run`` the op layer reads: the ``fallback`` mode, BatchNorm's
+  data axis, module paths for messages, DDP's bucket views for replays; and the run's torchmetrics sync group and
+  CUDA graphs of named submodules (``_scopes``); all undone at ``teardown``, dynamo's ``optimize_ddp`` included.
 - ``torch.compile``d modules compile through the shards (``compiling``): halo exchanges and collectives are
   graph ops.
 """
@@ -48,13 +49,12 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from ..graphs import noting_bucket_views
-from ..layout import Axis
-from ..mesh import SpatialDims, tiles
-from ..ops import norm
+from ..mesh import Axis, SpatialDims, tiles
 from ..plan import Plan, make_plan, parse_budget
+from ..run import FallbackMode, Run, check_fallback_mode, entered
 from ..sharding import Select, ShardingCollate, describe
-from ..tensor import FallbackMode, SpatialTensor, fallback_mode, gather
-from ._scopes import graphed, metrics_sync_over, named_modules, naming_the_layer
+from ..tensor import SpatialTensor, gather
+from ._scopes import MetricsOverData, graphed, module_paths, naming_the_layer
 
 
 class SpatialParallelStrategy(DDPStrategy):
@@ -116,8 +116,7 @@ class SpatialParallelStrategy(DDPStrategy):
             raise ValueError(f"memory_budget is for spatial_size='auto', got spatial_size={spatial_size!r}")
         if isinstance(cuda_graphs, str):
             raise ValueError(f"cuda_graphs is a list of submodule names, got the string {cuda_graphs!r}")
-        if fallback not in ("warn", "error", "silent"):
-            raise ValueError(f"fallback must be 'warn', 'error' or 'silent', got {fallback!r}")
+        check_fallback_mode(fallback)
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no second copy of the gradients
         super().__init__(  # the comm hook is ours to register (DDPStrategy would do it on CUDA only, unscaled)
             accelerator=accelerator,
@@ -142,7 +141,9 @@ class SpatialParallelStrategy(DDPStrategy):
         self.mesh = None
         self.axes: dict[int, Axis] = {}
         self._sync_batchnorm = False
-        self._run: ExitStack | None = None
+        self._run: ExitStack | None = None  # what setup entered, closed at teardown
+        self._metrics: MetricsOverData | None = None
+        self._metrics_claimed_at: set[tuple] = set()  # (stage, epoch, before/after the first step) claimed
         self._in_process = False  # one rank, run in this process (no launcher): its process group ends with it
         self._group_to_close = False
         self._described = False
@@ -218,14 +219,14 @@ class SpatialParallelStrategy(DDPStrategy):
         if self._layer_sync is not None and self.axes:  # SyncBatchNorm: our batch_norm also spans the data axis
             self._layer_sync, self._sync_batchnorm = None, True
         self._run = ExitStack()
-        self._run.enter_context(fallback_mode(self._fallback))
-        self._run.enter_context(
-            norm.batch_norm_over(self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None)
-        )
-        self._run.enter_context(metrics_sync_over(self.data_group))
+        data_axis = self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None
+        state = self._run.enter_context(entered(Run(fallback=self._fallback, data_axis=data_axis)))
+        self._metrics = MetricsOverData(self.data_group)
+        self._run.callback(self._metrics.release)
         self._run.enter_context(graphed(self.lightning_module, self._cuda_graphs))
         super().setup(trainer)
-        self._run.enter_context(named_modules(self.lightning_module))
+        state.module_names.update(module_paths(self.lightning_module))
+        self._metrics.claim(self.lightning_module)
 
     def _planned(self, trainer) -> Plan:
         """A plan from the first training batch; ``validate``/``test``/``predict`` reuse this process's last one."""
@@ -248,6 +249,7 @@ class SpatialParallelStrategy(DDPStrategy):
         # A compiled module's graph is not split at DDP's buckets: AOT autograd fails on the split pieces when they
         # hold our messages (ordered effects; torch 2.14, docs/design.md). Gradients are then reduced after the
         # compiled backward rather than during it.
+        self._run.callback(setattr, torch._dynamo.config, "optimize_ddp", torch._dynamo.config.optimize_ddp)
         torch._dynamo.config.optimize_ddp = False
         gradients_laid_out_like_parameters(self.model)
         super().configure_ddp()
@@ -303,31 +305,51 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._claim_metrics("before")
         with naming_the_layer():
-            return super().training_step(*args, **kwargs)
+            out = super().training_step(*args, **kwargs)
+        self._claim_metrics("after")
+        return out
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._claim_metrics("before")
         with naming_the_layer():
-            return super().validation_step(*args, **kwargs)
+            out = super().validation_step(*args, **kwargs)
+        self._claim_metrics("after")
+        return out
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._claim_metrics("before")
         with naming_the_layer():
-            return super().test_step(*args, **kwargs)
+            out = super().test_step(*args, **kwargs)
+        self._claim_metrics("after")
+        return out
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Predictions as full tensors: sharded outputs are gathered (every spatial rank returns the same)."""
+        self._claim_metrics("before")
         with naming_the_layer():
             out = super().predict_step(*args, **kwargs)
+        self._claim_metrics("after")
         return tree_map(lambda t: gather(t).detach() if isinstance(t, SpatialTensor) else t, out)
+
+    def _claim_metrics(self, moment: str) -> None:
+        """Before and after the first step of every epoch of every stage: the metrics created since then."""
+        trainer = self.lightning_module.trainer
+        when = (trainer.state.stage, trainer.current_epoch, moment)
+        if self._metrics is not None and when not in self._metrics_claimed_at:
+            self._metrics_claimed_at.add(when)
+            self._metrics.claim(self.lightning_module)
 
     @override
     def teardown(self) -> None:
         if self._run is not None:
             self._run.close()
-            self._run = None
+            self._run, self._metrics = None, None
+            self._metrics_claimed_at.clear()
         super().teardown()
         if self._group_to_close:  # a later Trainer in this process may fork ranks of a larger world
             dist.destroy_process_group()
