@@ -62,7 +62,9 @@ class SpatialSummary(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _reset_peak(pl_module.device)
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._start is None:
             self._print_start(trainer, batch)
             self._hooks = SavedActivations(pl_module)
@@ -71,17 +73,17 @@ class SpatialSummary(L.Callback):
             self._start = time.perf_counter()
         self._images += _images(batch)
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._saved_bytes, self._hooks = self._hooks.nbytes, None
 
-    def on_validation_start(self, trainer, pl_module) -> None:
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._start is not None:  # not the sanity check
             _sync(pl_module.device)
             self._val_start = time.perf_counter()
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._start is not None:
             _sync(pl_module.device)
             self._val_seconds += time.perf_counter() - self._val_start

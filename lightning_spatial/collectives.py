@@ -102,7 +102,7 @@ def _axis(group: Axis | dist.ProcessGroup | None) -> Axis:
     return group if isinstance(group, Axis) else Axis.from_group(group)
 
 
-def all_reduce(x: torch.Tensor, group: Axis | dist.ProcessGroup | None = None, op=SUM) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: Axis | dist.ProcessGroup | None = None, op: str = SUM) -> torch.Tensor:
     """Differentiable all-reduce over a mesh axis or process group (default: the world): ``"sum"``, ``"max"``
     or ``"min"`` (or a ``ReduceOp`` of these, outside compiled code)."""
     op, axis = _op_name(op), _axis(group)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -29,7 +30,7 @@ _OURS = (__file__.rsplit("/", 1)[0], torch.__file__.rsplit("/", 1)[0])  # frames
 
 
 @torch.compiler.disable  # compiled code breaks its graph here and runs the fallback as eager code does
-def fallback(func: Callable, args: tuple, kwargs: dict):
+def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``func`` on full tensors, resharded.
 
     A result with the global shape of the first sharded operand is sharded like it; anything else is

@@ -15,7 +15,7 @@ token order stays what one device would have and a later ``view(B, C, h, w)`` fi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -122,7 +122,7 @@ class Layout:
         to cut. Anything else raises."""
         return _cut_for(self, tuple(shape))
 
-    def local_shape(self, shape) -> list[int]:
+    def local_shape(self, shape: Sequence[int]) -> list[int]:
         """This rank's sizes of a tensor of global ``shape`` with this layout."""
         shape = list(shape)
         for dim in self.dims:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 SHARD_DIMS = ("width", "height")
 
@@ -107,14 +108,12 @@ class SpatialDims:
         data, rest = divmod(rank, self.spatial_size)
         return (data, *divmod(rest, self.spatial_w))
 
-    def build(self, device_type: str, timeout: timedelta | None = None):
+    def build(self, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
         """The DeviceMesh with axes ``("data", "spatial_h", "spatial_w")`` (collective: every rank calls it).
 
         Every axis group waits at most ``timeout`` for its peers, like the world group: ``init_device_mesh``
         would create them with the backend's default (30 min), so a stalled neighbour would hang a halo exchange.
         """
-        from torch.distributed.device_mesh import DeviceMesh
-
         ranks = torch.arange(self.world_size).view(self.shape)
         groups = []
         for axis in range(ranks.dim()):

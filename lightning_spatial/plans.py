@@ -34,7 +34,7 @@ def planned(
     maxsize: int = 4096,
     per_layout: bool = False,
     key: Callable[..., Hashable] | None = None,
-):
+) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate a pure function of hashable arguments (positional only) so that each distinct call is computed
     once; see the module docstring for the rule under ``torch.compile``. ``f.forget()`` empties the table.
 

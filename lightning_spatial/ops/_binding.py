@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 from torch._jit_internal import boolean_dispatched
-from torch.utils._pytree import tree_map
 
 from ..fallback import fallback, name_of
 from ..layout import LayoutError
 from ..plans import planned
+from ._meta import raise_torch_error
 
 _ALIASES = {"axis": "dim", "keepdims": "keepdim"}  # numpy spellings torch's parser accepts
 
@@ -132,19 +132,6 @@ def _handler(func: Callable, impl: Callable) -> Callable:
     return handler
 
 
-def raise_torch_error(func: Callable, args: tuple, kwargs: dict) -> None:
-    """Run the call on meta tensors of the same global shapes: torch raises its own error for a bad call."""
-
-    def meta(t):
-        return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
-
-    args, kwargs = tree_map(meta, (args, kwargs))  # global shapes: ``t.shape`` of a SpatialTensor is global
-    try:
-        func(*args, **kwargs)
-    except NotImplementedError:  # no meta kernel: nothing learnt
-        pass
-
-
 def _overloads(func: Callable) -> tuple[_Overload, ...]:
     if inspect.isfunction(func):
         python = boolean_dispatched[func]["if_false"] if func in boolean_dispatched else func  # F.max_pool2d
@@ -235,4 +222,4 @@ def _kind(v) -> Any:
     return t
 
 
-__all__ = ["Binding", "Call", "bound", "raise_torch_error"]
+__all__ = ["Binding", "Call", "bound"]

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.utils._pytree import tree_map
 
 from ..fallback import name_of
 from ..halo import fetch_window
 from ..layout import DimShard, Layout, LayoutError, partition
 from ..plans import planned
-from ..saved import observes
 from ..tensor import SpatialTensor
 
 
@@ -133,77 +130,6 @@ def eager_backward(backward: Callable) -> Callable:
 _DYNAMO_TRACES_ONCE_DIFFERENTIABLE = torch.torch_version.TorchVersion(torch.__version__) < "2.14"
 
 
-class _Recipe:
-    """What autograd keeps instead of a window: how to fetch it again."""
-
-    def __init__(self, rebuild: Callable[[], torch.Tensor]):
-        self.rebuild = rebuild
-
-
-@contextmanager
-def saved_as_recipe(window: torch.Tensor, source: torch.Tensor, rebuild: Callable[[], torch.Tensor]) -> Iterator[None]:
-    """While an op runs on ``window`` (``source`` widened by halos: a fresh copy), autograd keeps the window as a
-    recipe: backward fetches it again from ``source``, which stays alive as the plain op's saved input would.
-    Halos cross the wire twice; the activation is stored once (a saved window beside the tensor it was cut from
-    would store it twice). The rebuild runs under the backward's grad mode, so a second derivative still meets
-    the halo's refusal. Outer saved-tensor hooks that only observe (our memory accounting, ``saved.observes``)
-    see every other tensor; any other outer hooks (activation checkpointing, offloading) decide what is kept
-    themselves, and the window is left to them. Under ``torch.compile`` the compiler's partitioner decides
-    what backward keeps (it may recompute the window's copies; the messages are graph ops it keeps)."""
-    if torch.compiler.is_dynamo_compiling():
-        yield
-        return
-    fresh = window.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if not (fresh and torch.is_grad_enabled()) or (outer is not None and not observes(outer[0])):
-        yield
-        return
-    if not _kept_anyway(source):  # the window would be its only copy: a recipe would keep as much, and refetch
-        yield
-        return
-    outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
-    key = (window.data_ptr(), tuple(window.shape), window.stride())
-
-    def pack(t: torch.Tensor):
-        return _Recipe(rebuild) if (t.data_ptr(), tuple(t.shape), t.stride()) == key else outer_pack(t)
-
-    def unpack(saved):
-        return saved.rebuild() if isinstance(saved, _Recipe) else outer_unpack(saved)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-def _kept_anyway(t: torch.Tensor) -> bool:
-    """Whether ``t`` stays alive without this op: a tensor outside the graph (a batch: its owner holds it) or
-    one its producer saved for its own backward (ReLU's output, a norm's input). Otherwise (a residual sum, an
-    autocast copy) keeping the window costs no more than keeping ``t``, and the recipe would only refetch."""
-    fn = t.grad_fn
-    while type(fn).__name__ == "AliasBackward0":  # wrap/unwrap (as_subclass) insert these: same data
-        fn = fn.next_functions[0][0]
-    if fn is None or type(fn).__name__ == "AccumulateGrad":
-        return True
-    ptr = t.data_ptr()
-    return any(s.data_ptr() == ptr for s in _saved_tensors(fn))
-
-
-def _saved_tensors(fn) -> Iterator[torch.Tensor]:
-    if isinstance(fn, torch.autograd.function.BackwardCFunction):
-        yield from fn.saved_tensors
-        return
-    for name in _saved_names(type(fn)):
-        value = getattr(fn, name)
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, torch.Tensor):
-                yield v
-
-
-@planned
-def _saved_names(node: type) -> tuple[str, ...]:
-    """A C++ autograd node's saved-value attributes (``_saved_result``, ``_saved_self``, ...), per node type."""
-    return tuple(n for n in dir(node) if n.startswith("_saved_"))
-
-
 def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:
     return layout.with_sizes({s.dim: out_sizes[i] for i, s in shards.items()})
 
@@ -227,41 +153,6 @@ def split_shards(layout: Layout | None, dim: int) -> tuple[tuple[DimShard, ...],
 def moved_shards(shards, dim: int) -> tuple[DimShard, ...]:
     """The same shards on tensor dim ``dim`` (e.g. the keys' token dim as a mask's last dim)."""
     return tuple(replace(s, dim=dim) for s in shards)
-
-
-def meta_check(func: Callable, *args, **kwargs) -> None:
-    """Run ``func`` on meta tensors of the operands' global shapes: torch's own argument errors (shapes,
-    dtypes, mask sizes) on every rank before any message, at no memory cost. A signature that passed once
-    is not checked again (the meta call costs about a millisecond for attention)."""
-    _meta_checked(func, _signature(args), _signature(kwargs))
-
-
-@planned
-def _meta_checked(func: Callable, args: tuple, kwargs: tuple) -> None:
-    func(*tree_map(_meta, args, is_leaf=_is_spec), **dict(tree_map(_meta, kwargs, is_leaf=_is_spec)))
-
-
-class _Spec(tuple):
-    """A tensor's global shape and dtype in a signature."""
-
-
-def _is_spec(value) -> bool:
-    return isinstance(value, _Spec)
-
-
-def _meta(value):
-    return torch.empty(value[0], dtype=value[1], device="meta") if isinstance(value, _Spec) else value
-
-
-def _signature(value):
-    """What a meta call's outcome depends on: tensors' global shapes and dtypes, and the other arguments."""
-    if isinstance(value, torch.Tensor):
-        return _Spec((tuple(value.shape), value.dtype))
-    if isinstance(value, (list, tuple)):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _signature(v)) for k, v in value.items())
-    return value
 
 
 def common_layout(func: Callable, operands) -> Layout:

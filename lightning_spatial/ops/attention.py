@@ -31,7 +31,8 @@ from ..collectives import MAX, across_detached
 from ..fallback import fallback
 from ..layout import Layout
 from ..tensor import SpatialTensor, adopt, gather, unwrap, wrap
-from ._common import eager_backward, localize, meta_check, moved_shards
+from ._common import eager_backward, localize, moved_shards
+from ._meta import meta_check
 
 
 def _along(layout: Layout | None, dim: int) -> bool:

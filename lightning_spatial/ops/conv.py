@@ -23,9 +23,9 @@ from ._common import (
     output_rows,
     output_sizes,
     require_replicated,
-    saved_as_recipe,
     spatial_shards,
 )
+from ._recipes import saved_as_recipe
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}

@@ -20,8 +20,9 @@ from ..fallback import fallback
 from ..layout import DimShard, Layout, LayoutError
 from ..plans import planned
 from ..tensor import SpatialTensor, adopt, on_shard, unwrap
-from ._binding import bound, raise_torch_error
+from ._binding import bound
 from ._common import localize, require_replicated
+from ._meta import raise_torch_error
 
 
 def _sizes(shape) -> tuple:

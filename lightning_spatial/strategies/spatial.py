@@ -35,8 +35,10 @@ from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
@@ -213,7 +215,7 @@ class SpatialParallelStrategy(DDPStrategy):
         return self._data_axis.group
 
     @override
-    def setup(self, trainer) -> None:
+    def setup(self, trainer: L.Trainer) -> None:
         if self._spatial_size == "auto":
             self._build(self._planned(trainer).dims)
         if self._layer_sync is not None and self.axes:  # SyncBatchNorm: our batch_norm also spans the data axis
@@ -262,7 +264,9 @@ class SpatialParallelStrategy(DDPStrategy):
         self.model.register_comm_hook(state, noting_bucket_views(hook) if self._cuda_graphs else hook)
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         """Each of the ``S`` ranks of a spatial group seeds ``1/S`` of the replicated loss's gradient."""
         return super().backward(closure_loss / self.dims.spatial_size, optimizer, *args, **kwargs)
 
@@ -285,7 +289,7 @@ class SpatialParallelStrategy(DDPStrategy):
         return self.data_group if group is None or group is dist.group.WORLD else group
 
     @override
-    def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean"):
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         if not isinstance(tensor, torch.Tensor):
             return tensor
         tensor = gather(tensor) if isinstance(tensor, SpatialTensor) else tensor
@@ -359,7 +363,7 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry) -> None:
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Spatial (height/width) x data parallel training"
         )
