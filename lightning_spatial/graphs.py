@@ -78,7 +78,10 @@ class _Graphs:
             with _uncached_autocast():
                 return functional_call(module, dict(zip(names, leaves)), tuple(args), kwargs)
 
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state()
         _rehearse(module, forward, wrt)
+        torch.set_rng_state(rng[0])  # the rehearsal's random numbers are not the step's: the replay draws those
+        torch.cuda.set_rng_state(rng[1])
         pool = torch.cuda.graph_pool_handle()
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
@@ -245,8 +248,24 @@ class CUDAGraphed(nn.Module):
                     stacklevel=2,
                 )
             return self.module(*args, **kwargs)
-        self._graphs[key] = graphs = _Graphs(self.module, flat, spec)
+        try:
+            self._graphs[key] = graphs = _Graphs(self.module, flat, spec)
+        except Exception as error:  # noqa: BLE001 - whatever stops a capture, the module still runs, eagerly
+            self._capture_failed(error)
+            return self.module(*args, **kwargs)
         return graphs(flat)
+
+    def _capture_failed(self, error: Exception) -> None:
+        """From now on eager: a capture that failed once (a host synchronisation, a data-dependent shape, an op the
+        graph cannot hold) would fail again."""
+        self.max_signatures, self._graphs = 0, {}
+        torch.cuda.synchronize()
+        warnings.warn(
+            f"CUDAGraphed({type(self.module).__name__}) runs eagerly: its capture failed with "
+            f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}",
+            stacklevel=3,
+        )
+        self._warned = True  # the signature limit's warning would say nothing new
 
     def _signature(self, flat: list, spec) -> tuple | None:
         """What a capture depends on, or None where it must run eagerly."""

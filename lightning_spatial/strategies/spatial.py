@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -43,6 +43,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
@@ -50,6 +51,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from .. import capture
+from ..capture import Watch
 from ..graphs import noting_bucket_views
 from ..mesh import Axis, SpatialDims, tiles
 from ..plan import Plan, make_plan, parse_budget
@@ -76,10 +79,13 @@ class SpatialParallelStrategy(DDPStrategy):
             whose trailing two dims equal the image's (H, W) (``sharding.image_size`` says which is the image).
         fallback: an op without a spatial handler gathers its operands: ``"warn"`` once per op (default),
             ``"error"`` raises instead (naming the op, the module and the bytes), ``"silent"``.
-        cuda_graphs: submodules of the LightningModule (``["backbone"]``, as ``get_submodule`` names them) whose
-            training forward and backward replay as CUDA graphs after two eager steps (``graphs.CUDAGraphed``):
-            the op layer's host time out of a bf16 step; eager off CUDA and in validation; each new input shape
-            is captured after its own two steps (up to 4). Checkpoints keep the module's own names.
+        cuda_graphs: which submodules' training forward and backward replay as CUDA graphs after two eager calls
+            (``graphs.CUDAGraphed``): no per-op Python in the step. ``"auto"`` (default): on CUDA, the largest
+            submodules that run once a training step on image-sharded activations, found in the first step
+            (``capture``; the image encoders of camera models) and logged with the reasons for the rest; ``False``
+            (or ``[]``): none; a list of names (``["backbone"]``, as ``get_submodule`` names them). Eager off CUDA,
+            in validation and wherever a capture fails (with a warning); each new input shape is captured after its
+            own two calls (up to 4). Checkpoints keep the module's own names.
         ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: as for ``DDPStrategy`` (e.g. fp16 compression),
             registered on CPU and GPU; the hook averages over the world, and its result is scaled to the
             data-parallel mean (see the module docstring).
@@ -97,7 +103,7 @@ class SpatialParallelStrategy(DDPStrategy):
         memory_budget: int | str | None = None,
         shard_select: Select | None = None,
         fallback: FallbackMode = "warn",
-        cuda_graphs: Sequence[str] = (),
+        cuda_graphs: Sequence[str] | Literal["auto"] | bool = "auto",
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -116,8 +122,10 @@ class SpatialParallelStrategy(DDPStrategy):
         SpatialDims(h * w, h, w)  # now, not in the ranks; whether it divides the world waits for the world size
         if memory_budget is not None and not auto:
             raise ValueError(f"memory_budget is for spatial_size='auto', got spatial_size={spatial_size!r}")
-        if isinstance(cuda_graphs, str):
-            raise ValueError(f"cuda_graphs is a list of submodule names, got the string {cuda_graphs!r}")
+        if (isinstance(cuda_graphs, str) and cuda_graphs != "auto") or cuda_graphs is True:
+            raise ValueError(
+                f"cuda_graphs must be 'auto' (the default), False, or a list of submodule names, got {cuda_graphs!r}"
+            )
         check_fallback_mode(fallback)
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no second copy of the gradients
         super().__init__(  # the comm hook is ours to register (DDPStrategy would do it on CUDA only, unscaled)
@@ -136,7 +144,9 @@ class SpatialParallelStrategy(DDPStrategy):
         self._shard_dim = shard_dim
         self._shard_select = shard_select
         self._fallback = fallback
-        self._cuda_graphs = tuple(cuda_graphs)
+        # "auto": chosen after watching the first training step (lightning_spatial.capture); names: wrapped at setup
+        self._auto_graphs = cuda_graphs == "auto"
+        self._cuda_graphs: tuple[str, ...] = () if self._auto_graphs or not cuda_graphs else tuple(cuda_graphs)
         self._user_comm_hook = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         self.dims: SpatialDims | None = None
         self.plan: Plan | None = None  # spatial_size="auto": the chosen layout with every candidate's estimate
@@ -145,6 +155,7 @@ class SpatialParallelStrategy(DDPStrategy):
         self._sync_batchnorm = False
         self._run: ExitStack | None = None  # what setup entered, closed at teardown
         self._metrics: MetricsOverData | None = None
+        self._watch: Watch | None = None  # cuda_graphs="auto": what the first training step shows
         self._metrics_claimed_at: set[tuple] = set()  # (stage, epoch, before/after the first step) claimed
         self._in_process = False  # one rank, run in this process (no launcher): its process group ends with it
         self._group_to_close = False
@@ -222,10 +233,15 @@ class SpatialParallelStrategy(DDPStrategy):
             self._layer_sync, self._sync_batchnorm = None, True
         self._run = ExitStack()
         data_axis = self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None
-        state = self._run.enter_context(entered(Run(fallback=self._fallback, data_axis=data_axis)))
+        # one rank with PyTorch's fake backend (benchmarks): messages never arrive, and received halos read as zeros
+        fake = dist.get_backend() == "fake"
+        state = self._run.enter_context(
+            entered(Run(fallback=self._fallback, data_axis=data_axis, zero_undelivered=fake))
+        )
         self._metrics = MetricsOverData(self.data_group)
         self._run.callback(self._metrics.release)
         self._run.enter_context(graphed(self.lightning_module, self._cuda_graphs))
+        self._watch = Watch(self.lightning_module) if self._auto_graphs and self.root_device.type == "cuda" else None
         super().setup(trainer)
         state.module_names.update(module_paths(self.lightning_module))
         self._metrics.claim(self.lightning_module)
@@ -261,7 +277,8 @@ class SpatialParallelStrategy(DDPStrategy):
         else:
             hook = _scaled(wrapper(hook) if wrapper is not None else hook, self.dims.spatial_size)
         # replays (cuda_graphs) write their gradients straight into DDP's buckets
-        self.model.register_comm_hook(state, noting_bucket_views(hook) if self._cuda_graphs else hook)
+        replays = self._cuda_graphs or self._watch is not None
+        self.model.register_comm_hook(state, noting_bucket_views(hook) if replays else hook)
 
     @override
     def backward(
@@ -296,6 +313,11 @@ class SpatialParallelStrategy(DDPStrategy):
         return _sync_ddp_if_available(tensor, self._over_data(group), reduce_op=reduce_op)
 
     @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        """One rank with PyTorch's fake backend (``FakeRank``) receives nothing: its own object stands for rank 0's."""
+        return obj if dist.get_backend() == "fake" else super().broadcast(obj, src)
+
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Every rank votes (ModelCheckpoint, EarlyStopping), so count over the world, not the data axis."""
         votes = torch.tensor(int(decision), device=self.root_device)
@@ -310,10 +332,19 @@ class SpatialParallelStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._claim_metrics("before")
-        with naming_the_layer():
+        watch, self._watch = self._watch, None  # the first training step only (cuda_graphs="auto")
+        with naming_the_layer(), watch or nullcontext():
             out = super().training_step(*args, **kwargs)
+        if watch is not None:
+            self._capture(capture.choose(self.lightning_module, watch.seen))
         self._claim_metrics("after")
         return out
+
+    def _capture(self, plan: tuple[list[str], dict[str, str]]) -> None:
+        """Wrap what ``cuda_graphs="auto"`` chose for the rest of the run, and say so once."""
+        chosen, left = plan
+        self._run.enter_context(graphed(self.lightning_module, chosen))
+        rank_zero_info(capture.describe(chosen, left))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -414,7 +445,7 @@ def _sum_then_divide(data_size, bucket):
     over each spatial group, averaged over the data replicas. (DDP checks a hook's annotations against the
     real classes, which ``from __future__ import annotations`` turns into strings: none here.)"""
     buffer = bucket.buffer().div_(data_size)
-    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda _: buffer)  # reduced in place
 
 
 def _scaled(hook: Callable, spatial_size: int) -> Callable:

@@ -388,7 +388,7 @@ def test_bad_input_fails_before_training(case, match):
         ({"spatial_size": (2, 0)}, "spatial_w must be a positive int, got 0"),
         ({"spatial_size": 2, "shard_dim": "channels"}, "shard_dim must be one of .'width', 'height'., got 'channels'"),
         ({"fallback": "loud"}, "fallback must be 'warn', 'error' or 'silent', got 'loud'"),
-        ({"cuda_graphs": "model"}, "cuda_graphs is a list of submodule names, got the string 'model'"),
+        ({"cuda_graphs": "model"}, "cuda_graphs must be 'auto' \\(the default\\), False, or a list of submodule names"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
