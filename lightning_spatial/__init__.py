@@ -1,20 +1,20 @@
 """lightning_spatial: spatially sharded activations for training camera models across GPUs.
 
 ``import lightning_spatial`` registers the ``"spatial_tp"`` and ``"horovod"`` strategies in Lightning's
-StrategyRegistry.
+StrategyRegistry. The building blocks under them (layouts, halo windows, collectives) are in
+``lightning_spatial.primitives``.
 """
 
 from __future__ import annotations
 
 from . import compiling, ops
 from .callbacks import LatestCheckpoint, SpatialSummary
-from .collectives import all_gather, all_reduce
-from .halo import fetch_window
-from .layout import Axis, DimShard, Layout, LayoutError, partition
-from .mesh import SpatialDims
-from .sharding import shard_batch
+from .fallback import SpatialFallbackWarning
+from .layout import LayoutError
+from .registry import handler_for, register_handler, remove_handler
+from .run import fallback_mode
 from .strategies import HorovodStrategy, SpatialParallelStrategy
-from .tensor import SpatialFallbackWarning, SpatialTensor, fallback_mode, gather, shard
+from .tensor import SpatialTensor, gather, shard
 
 ops.install()
 compiling.install()
@@ -33,23 +33,17 @@ _register_strategies()
 __version__ = "0.1.0"
 
 __all__ = [
-    "Axis",
-    "DimShard",
     "HorovodStrategy",
     "LatestCheckpoint",
-    "Layout",
     "LayoutError",
-    "SpatialDims",
     "SpatialFallbackWarning",
     "SpatialParallelStrategy",
     "SpatialSummary",
     "SpatialTensor",
-    "all_gather",
-    "all_reduce",
     "fallback_mode",
-    "fetch_window",
     "gather",
-    "partition",
+    "handler_for",
+    "register_handler",
+    "remove_handler",
     "shard",
-    "shard_batch",
 ]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
+from .saved import SavedActivations
 from .tensor import SpatialTensor
 
 MIB = 2**20
@@ -61,26 +62,28 @@ class SpatialSummary(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _reset_peak(pl_module.device)
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._start is None:
             self._print_start(trainer, batch)
-            self._hooks = _SavedActivations(pl_module)
+            self._hooks = SavedActivations(pl_module)
             self._hooks.__enter__()
             _sync(pl_module.device)
             self._start = time.perf_counter()
         self._images += _images(batch)
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._saved_bytes, self._hooks = self._hooks.nbytes, None
 
-    def on_validation_start(self, trainer, pl_module) -> None:
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._start is not None:  # not the sanity check
             _sync(pl_module.device)
             self._val_start = time.perf_counter()
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._start is not None:
             _sync(pl_module.device)
             self._val_seconds += time.perf_counter() - self._val_start
@@ -138,29 +141,6 @@ class SpatialSummary(L.Callback):
         ]
         lines += _paths(trainer)
         _print(trainer, "\n".join(lines))
-
-
-class _SavedActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Adds up the distinct storages that autograd saves for backward (parameters excluded)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.nbytes = 0
-        seen = {p.untyped_storage().data_ptr() for p in module.parameters()}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            local = t.to_local() if isinstance(t, SpatialTensor) else t
-            try:
-                storage = local.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
-            except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses
-                key, size = id(t), local.numel() * local.element_size()
-            if key not in seen:
-                seen.add(key)
-                self.nbytes += size
-            return t
-
-        pack.observes_only = True  # ops keep their recipes under it (ops._common.saved_as_recipe): counted as kept
-        super().__init__(pack, lambda t: t)
 
 
 def _mesh(trainer: L.Trainer) -> str:

@@ -6,7 +6,7 @@ all-gather (the fallback for unhandled ops) has a reduce-scatter as adjoint.
 
 Each collective is also a torch custom op, which is what code traced by ``torch.compile`` calls: dynamo
 records it as one graph node (its Python, the collective included, runs at every call) instead of tracing
-process groups. A custom op names its group by the axis's global ranks (``layout.group_of``).
+process groups. A custom op names its group by the axis's global ranks (``mesh.group_of``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,20 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch._library.effects import EffectType
 from torch.autograd.function import once_differentiable
 
-from .layout import Axis, communicates, group_of, partition
+from .layout import partition
+from .mesh import Axis, group_of
+
+
+def communicates(op: str) -> None:
+    """Mark a custom op that exchanges messages as an ordered effect under torch.compile: every rank's graph runs
+    such ops in the order it traced them (the same on every rank), even where a rank's graph differs (an edge rank
+    only sends, a corner has no neighbour on one side) and an op's result is unused there; the compiler may then
+    neither drop nor merge them, nor reorder them against each other (two ranks waiting in different ops hang)."""
+    torch.library._register_effectful_op(op, EffectType.ORDERED)
+
 
 SUM, MAX, MIN = "sum", "max", "min"  # reductions by name: dynamo (torch 2.11) cannot hash a ReduceOp
 _OPS = {SUM: dist.ReduceOp.SUM, MAX: dist.ReduceOp.MAX, MIN: dist.ReduceOp.MIN}
@@ -91,7 +102,7 @@ def _axis(group: Axis | dist.ProcessGroup | None) -> Axis:
     return group if isinstance(group, Axis) else Axis.from_group(group)
 
 
-def all_reduce(x: torch.Tensor, group: Axis | dist.ProcessGroup | None = None, op=SUM) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: Axis | dist.ProcessGroup | None = None, op: str = SUM) -> torch.Tensor:
     """Differentiable all-reduce over a mesh axis or process group (default: the world): ``"sum"``, ``"max"``
     or ``"min"`` (or a ``ReduceOp`` of these, outside compiled code)."""
     op, axis = _op_name(op), _axis(group)

@@ -16,18 +16,13 @@ Two behaviours of torch itself are adjusted here, for ``SpatialTensor`` only, ea
 - aot_autograd's first-call check of custom ops (``_AnalyzeCustomOpInputOutputMode``) declines tensors of any class
   but ``Tensor``, so a graph given a shard failed on its first call; at the dispatcher a shard is a plain tensor.
 
-And one warning is silenced, for calls from this package only: dynamo warns once for every ``lru_cache``-wrapped
-function it traces through (it traces the function, not the cache). Ours are pure functions of sizes (partitions,
-windows, plans), for which the function's result is the cache's: a dozen warnings per compile that users can do
-nothing about.
+Our plans are not ``lru_cache``-wrapped (dynamo would warn for each it traces): ``plans.planned`` computes them
+while dynamo traces, without a warning.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-import sys
-import warnings
 
 from .tensor import SpatialTensor
 
@@ -57,29 +52,9 @@ def _shards_are_tensors_at_the_dispatcher() -> None:
         runtime_wrappers.HANDLED_TYPES = (*handled, SpatialTensor)
 
 
-def _quiet_about_our_caches() -> None:
-    from torch._dynamo import utils
-
-    allow = getattr(utils, "allow_lru_cache_wrapper_trace_without_warning", None)
-    if allow is None:  # older torch (2.11): by the warning's text, which names the calling file
-        warnings.filterwarnings(
-            "ignore",
-            message=r"(?s)Dynamo detected a call to a `functools\.lru_cache`-wrapped function"
-            r".*[/\\]lightning_spatial[/\\]",
-            category=UserWarning,
-        )
-        return
-    for name, module in list(sys.modules.items()):
-        if name.partition(".")[0] == "lightning_spatial":
-            for value in list(vars(module).values()):
-                if isinstance(value, functools._lru_cache_wrapper):
-                    allow(value)
-
-
 def install() -> None:
     _keep_subclass_dispatch()
     _shards_are_tensors_at_the_dispatcher()
-    _quiet_about_our_caches()
 
 
 __all__ = ["install"]

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.weak import WeakIdKeyDictionary
 
+from . import run
 from .tensor import SpatialTensor, wrap
 
 
@@ -78,7 +78,10 @@ class _Graphs:
             with _uncached_autocast():
                 return functional_call(module, dict(zip(names, leaves)), tuple(args), kwargs)
 
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state()
         _rehearse(module, forward, wrt)
+        torch.set_rng_state(rng[0])  # the rehearsal's random numbers are not the step's: the replay draws those
+        torch.cuda.set_rng_state(rng[1])
         pool = torch.cuda.graph_pool_handle()
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
@@ -155,39 +158,31 @@ class _Replay(torch.autograd.Function):
         return (None, *graphs.static_grads[:inputs], *map(_into_bucket, graphs.params, graphs.static_grads[inputs:]))
 
 
-_BUCKET_VIEWS = WeakIdKeyDictionary()  # parameter -> where DDP keeps its gradient (``noting_bucket_views``)
-
-
 def noting_bucket_views(hook: Callable) -> Callable:
     """A DDP communication hook (``gradient_as_bucket_view=True``) that first notes where DDP keeps each parameter's
     gradient, its bucket view (``.grad`` is that view by the time the bucket is reduced), then runs ``hook``. A
     replayed backward writes a gradient there when the parameter's ``.grad`` is None (Lightning sets it so after
     every step): autograd adopts that memory as ``.grad`` and DDP finds it in its bucket. One copy of the gradients
     instead of two: the graph's output into a new ``.grad``, then that into the bucket. (It walks every parameter
-    each step: for runs that replay.)"""
+    each step: for runs that replay.) The views are the current run's (``Run.bucket_views``) and go with it: they
+    hold DDP's buckets, a gradient-sized buffer, alive."""
 
     def noting_hook(state, bucket):
+        views = run.current().bucket_views
         storage = bucket.buffer().untyped_storage().data_ptr()
         for param in bucket.parameters():
             if param.grad is not None and param.grad.untyped_storage().data_ptr() == storage:
-                _BUCKET_VIEWS[param] = param.grad
+                views[param] = param.grad
         return hook(state, bucket)
 
     return noting_hook
-
-
-def forget_bucket_views(module: nn.Module) -> None:
-    """Drops what ``noting_bucket_views`` noted for ``module``'s parameters (at the end of a run: the views hold DDP's
-    buckets, a gradient-sized buffer, alive)."""
-    for param in module.parameters():
-        _BUCKET_VIEWS.pop(param, None)
 
 
 def _into_bucket(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
     """``grad`` copied into ``param``'s bucket view, which autograd then adopts (a fresh alias, nobody else holds it),
     or where there is none or ``.grad`` holds a gradient to add to (accumulation), ``grad`` itself (autograd copies
     the graph's memory). DDP copies a gradient that is not in its bucket: a view of old buckets only costs a copy."""
-    view = _BUCKET_VIEWS.get(param)
+    view = run.current().bucket_views.get(param)
     if grad is None or view is None or param.grad is not None:
         return grad
     if (view.shape, view.dtype, view.device) != (grad.shape, grad.dtype, grad.device):
@@ -253,8 +248,24 @@ class CUDAGraphed(nn.Module):
                     stacklevel=2,
                 )
             return self.module(*args, **kwargs)
-        self._graphs[key] = graphs = _Graphs(self.module, flat, spec)
+        try:
+            self._graphs[key] = graphs = _Graphs(self.module, flat, spec)
+        except Exception as error:  # noqa: BLE001 - whatever stops a capture, the module still runs, eagerly
+            self._capture_failed(error)
+            return self.module(*args, **kwargs)
         return graphs(flat)
+
+    def _capture_failed(self, error: Exception) -> None:
+        """From now on eager: a capture that failed once (a host synchronisation, a data-dependent shape, an op the
+        graph cannot hold) would fail again."""
+        self.max_signatures, self._graphs = 0, {}
+        torch.cuda.synchronize()
+        warnings.warn(
+            f"CUDAGraphed({type(self.module).__name__}) runs eagerly: its capture failed with "
+            f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}",
+            stacklevel=3,
+        )
+        self._warned = True  # the signature limit's warning would say nothing new
 
     def _signature(self, flat: list, spec) -> tuple | None:
         """What a capture depends on, or None where it must run eagerly."""
@@ -294,4 +305,4 @@ def _with_wrapper(module, state_dict, prefix, *args):
         state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
-__all__ = ["CUDAGraphed", "forget_bucket_views", "noting_bucket_views"]
+__all__ = ["CUDAGraphed", "noting_bucket_views"]

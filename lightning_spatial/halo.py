@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .layout import DimShard, communicates, group_of, partition, source_index
+from . import run
+from .collectives import communicates
+from .layout import DimShard, partition, source_index
+from .mesh import group_of
+from .plans import planned
 
 # A selection along the dim: a ``range`` for a contiguous run (narrow), else a tuple of indices.
 Selection = range | tuple[int, ...]
@@ -40,7 +43,7 @@ def _selection(values: list[int]) -> Selection:
     return run if values == list(run) else tuple(values)
 
 
-@lru_cache(maxsize=1024)
+@planned(maxsize=1024)
 def _plan(n: int, parts: int, me: int, windows: tuple[tuple[int, int], ...], mode: str) -> _Plan:
     bounds = partition(n, parts)
 
@@ -94,9 +97,14 @@ def _p2p(group, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, to
 
     What ``dist.batch_isend_irecv`` does, without its per-message Python (a ``P2POp`` and ``isend``'s checks
     and group lookups: ~4 us each, four messages per halo and direction): NCCL coalesces the batch into one
-    launch (so the order of sends and receives cannot deadlock), other backends run the messages as given."""
+    launch (so the order of sends and receives cannot deadlock), other backends run the messages as given. In the
+    planner's probe (``Run.zero_undelivered``) the groups are fake and deliver nothing: what arrives reads as zeros,
+    not as uninitialised memory, where a NaN would stop a detector's Hungarian matching."""
     if not sends and not recvs:
         return
+    if run.current().zero_undelivered:
+        for _, t in recvs:
+            t.zero_()
     device = (sends or recvs)[0][1].device
     coalesce = _coalesces(group, device)
     if coalesce:
@@ -124,13 +132,13 @@ def empty_as(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return torch.empty_strided(shape, _strides_like(x.stride(), tuple(shape)), dtype=x.dtype, device=x.device)
 
 
-@lru_cache(maxsize=4096)
+@planned
 def _memory_order(strides: tuple[int, ...]) -> tuple[int, ...]:
     """Dims from outermost to innermost in memory; ties (a size-1 dim) keep their index order."""
     return tuple(sorted(range(len(strides)), key=lambda d: strides[d], reverse=True))
 
 
-@lru_cache(maxsize=4096)
+@planned
 def _strides_like(strides: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
     order = _memory_order(strides)
     out, step = [0] * len(shape), 1
@@ -139,18 +147,13 @@ def _strides_like(strides: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int
     return tuple(out)
 
 
-class HaloStats:
-    """Bytes this rank sent in halo exchanges (forward and backward), for benchmarks; host-side counts only."""
-
-    sent_bytes = 0
-
-    @classmethod
-    def reset(cls) -> None:
-        cls.sent_bytes = 0
-
-
 def _count_sent(sends: list[tuple[int, torch.Tensor]]) -> None:
-    HaloStats.sent_bytes += sum(t.numel() * t.element_size() for _, t in sends)
+    """Add the bytes of ``sends`` to every entered ``run.counting_halo_bytes`` block (of any run)."""
+    counters = [c for r in run._RUNS for c in r.halo_counters]
+    if counters:
+        sent = sum(t.numel() * t.element_size() for _, t in sends)
+        for counter in counters:
+            counter.sent += sent
 
 
 def _laid_out_like(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -309,16 +312,10 @@ def _traced_window(x: torch.Tensor, plan: _Plan, dim: int, ranks: list[int], fil
     return torch.cat([t for _, t in runs] + [receipt], dim).index_select(dim, _index(tuple(order), x.device))
 
 
+@planned
 def _index(sel: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Index tensors built once per plan and device: no host-to-device copy (a sync) in the step. A compiled
     graph holds its own as a constant."""
-    if torch.compiler.is_dynamo_compiling():
-        return torch.tensor(sel, dtype=torch.long, device=device)
-    return _cached_index(sel, device)
-
-
-@lru_cache(maxsize=4096)
-def _cached_index(sel: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(sel, dtype=torch.long, device=device)
 
 
@@ -369,4 +366,4 @@ def fetch_window(
     return _FetchWindow.apply(x, plan, shard.dim, shard, fill)
 
 
-__all__ = ["HaloStats", "empty_as", "fetch_window"]
+__all__ = ["empty_as", "fetch_window"]

@@ -17,69 +17,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
-from torch._library.effects import EffectType
+
+from .plans import planned
+
+if TYPE_CHECKING:
+    from .mesh import Axis
 
 
 class LayoutError(ValueError):
     """Raised before any communication when tensors or arguments cannot be sharded as asked."""
-
-
-# Process groups by their global ranks: an Axis pickles as plain ranks (DataLoader workers build
-# layouts) and finds its group again in the process that communicates.
-_GROUPS: dict[tuple[int, ...], Any] = {}
-
-
-def group_of(ranks: Sequence[int]) -> dist.ProcessGroup:
-    """The process group of an axis's global ranks, in this process."""
-    try:
-        return _GROUPS[tuple(ranks)]
-    except KeyError:
-        raise RuntimeError(
-            f"no process group for ranks {tuple(ranks)} in this process; build it with Axis.from_group"
-        ) from None
-
-
-def communicates(op: str) -> None:
-    """Mark a custom op that exchanges messages as an ordered effect under torch.compile: every rank's graph runs
-    such ops in the order it traced them (the same on every rank), even where a rank's graph differs (an edge rank
-    only sends, a corner has no neighbour on one side) and an op's result is unused there; the compiler may then
-    neither drop nor merge them, nor reorder them against each other (two ranks waiting in different ops hang)."""
-    torch.library._register_effectful_op(op, EffectType.ORDERED)
-
-
-@dataclass(frozen=True)
-class Axis:
-    """One mesh axis as seen from this rank: its global ranks (in group order) and our index among them."""
-
-    ranks: tuple[int, ...]
-    index: int
-
-    @classmethod
-    def from_group(cls, group: dist.ProcessGroup | None = None) -> Axis:
-        group = group or dist.group.WORLD
-        ranks = tuple(dist.get_process_group_ranks(group))
-        _GROUPS[ranks] = group
-        return cls(ranks, dist.get_rank(group))
-
-    @staticmethod
-    def forget_groups() -> None:
-        """After ``destroy_process_group``: its groups must not outlive it here. A process forked later would
-        free one when an axis of the same ranks replaced it, and a gloo group's destructor there waited
-        forever for threads that only existed in this process."""
-        _GROUPS.clear()
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return group_of(self.ranks)
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
 
 
 @dataclass(frozen=True)
@@ -118,21 +67,16 @@ class DimShard:
         return self.outer > 1 or self.inner > 1
 
 
-UNSEEN = object()  # what ``Layout.memo.get`` answers for a question not asked before
-
-
 @dataclass(frozen=True)
 class Layout:
     """Which dims of a tensor are sharded (negative dims), each factor over its own mesh axis.
 
-    Hashed as a dataclass: a cached ``__hash__`` of its own made torch 2.11's dynamo trace wrong aliases
-    (docs/benchmarks.md, session 16)."""
+    Hashed as a dataclass: with a cached ``__hash__`` of its own, torch 2.11's dynamo traced a compiled ConvNeXt into
+    wrong aliases. ``plans`` holds the plans about this layout (``plans.planned(per_layout=True)``)."""
 
     shards: tuple[DimShard, ...]
     dims: tuple[int, ...] = field(init=False, repr=False, compare=False)  # the sharded dims, ascending
-    # answers that depend on this layout and a few hashable values, kept with it (``remember``): looking one up
-    # hashes no layout (a dataclass hash walks every shard, axis and rank list: 0.3 us). ``x.shape`` asks often.
-    memo: dict = field(init=False, repr=False, compare=False)
+    plans: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shards = tuple(sorted(self.shards, key=lambda s: (s.dim, s.outer)))
@@ -145,9 +89,9 @@ class Layout:
             _factors(tuple(s for s in shards if s.dim == dim))  # validates that the factors nest
         object.__setattr__(self, "shards", shards)
         object.__setattr__(self, "dims", tuple(sorted({s.dim for s in shards})))
-        object.__setattr__(self, "memo", {})
+        object.__setattr__(self, "plans", {})
 
-    def __reduce__(self):  # pickled (DataLoader workers) without what it remembered: some keys are not picklable
+    def __reduce__(self):  # pickled (DataLoader workers) without its plans: some are not picklable
         return Layout, (self.shards,)
 
     def get(self, dim: int) -> DimShard | None:
@@ -170,45 +114,15 @@ class Layout:
 
     def global_shape(self, local: torch.Tensor | torch.Size) -> torch.Size:
         local = local.shape if isinstance(local, torch.Tensor) else local
-        local = local if isinstance(local, tuple) else tuple(local)  # a torch.Size is a tuple
-        key = ("global shape", local)
-        known = self.memo.get(key)
-        if known is not None:
-            return known
-        shape = list(local)
-        for s in self.shards:
-            shape[s.dim] = s.extent
-        return self.remember(key, torch.Size(shape))
+        return _global_shape(self, local if isinstance(local, tuple) else tuple(local))  # a torch.Size is a tuple
 
     def cut_for(self, shape: torch.Size) -> Layout | None:
         """How a replicated tensor of ``shape`` is cut to this rank's part next to a tensor of this layout: size 1
         along a sharded dim broadcasts, the full global size is cut (the returned layout's shards); ``None``: nothing
-        to cut. Anything else raises. Kept per shape: it is asked for every replicated operand of every op."""
-        key = ("cut", shape)
-        known = self.memo.get(key, UNSEEN)
-        if known is not UNSEEN:
-            return known
-        cut = []
-        for dim in self.dims:
-            if len(shape) < -dim or shape[dim] == 1:
-                continue
-            shards = self.on(dim)
-            if shape[dim] != shards[0].extent:
-                raise LayoutError(
-                    f"a replicated tensor of shape {tuple(shape)} meets a tensor sharded along dim {dim} of global "
-                    f"size {shards[0].extent}; it must have size 1 (broadcast) or {shards[0].extent} there"
-                )
-            cut.extend(shards)
-        return self.remember(key, Layout(tuple(cut)) if cut else None)
+        to cut. Anything else raises."""
+        return _cut_for(self, tuple(shape))
 
-    def remember(self, key: tuple, answer: Any) -> Any:
-        """Keep ``answer`` in ``memo`` under ``key`` (its first item names the question) and return it."""
-        if len(self.memo) > 256:  # shapes vary (batch, crops): keep the table small
-            self.memo.clear()
-        self.memo[key] = answer
-        return answer
-
-    def local_shape(self, shape) -> list[int]:
+    def local_shape(self, shape: Sequence[int]) -> list[int]:
         """This rank's sizes of a tensor of global ``shape`` with this layout."""
         shape = list(shape)
         for dim in self.dims:
@@ -265,7 +179,31 @@ class Layout:
         return ", ".join(one(s) for s in self.shards)
 
 
-@lru_cache(maxsize=4096)
+@planned(per_layout=True, maxsize=256)
+def _global_shape(layout: Layout, local: tuple[int, ...]) -> torch.Size:
+    shape = list(local)
+    for s in layout.shards:
+        shape[s.dim] = s.extent
+    return torch.Size(shape)
+
+
+@planned(per_layout=True, maxsize=256)
+def _cut_for(layout: Layout, shape: tuple[int, ...]) -> Layout | None:
+    cut = []
+    for dim in layout.dims:
+        if len(shape) < -dim or shape[dim] == 1:
+            continue
+        shards = layout.on(dim)
+        if shape[dim] != shards[0].extent:
+            raise LayoutError(
+                f"a replicated tensor of shape {shape} meets a tensor sharded along dim {dim} of global "
+                f"size {shards[0].extent}; it must have size 1 (broadcast) or {shards[0].extent} there"
+            )
+        cut.extend(shards)
+    return Layout(tuple(cut)) if cut else None
+
+
+@planned
 def _factors(shards: tuple[DimShard, ...]) -> tuple[tuple[int, DimShard | None], ...]:
     extent, out, done = shards[0].extent, [], 1
     for s in sorted(shards, key=lambda s: s.outer):
@@ -282,7 +220,7 @@ def _factors(shards: tuple[DimShard, ...]) -> tuple[tuple[int, DimShard | None],
     return tuple(out)
 
 
-@lru_cache(maxsize=256)
+@planned(maxsize=256)
 def _positions(shards: tuple[DimShard, ...], device: torch.device) -> torch.Tensor:
     if not shards:
         raise LayoutError("positions: the dim is not sharded")
@@ -290,14 +228,14 @@ def _positions(shards: tuple[DimShard, ...], device: torch.device) -> torch.Tens
     return along_one_dim.take_local(torch.arange(shards[0].extent, device=device))
 
 
-@lru_cache(maxsize=256)
+@planned(maxsize=256)
 def _owners(shards: tuple[DimShard, ...], device: torch.device) -> torch.Tensor:
     mine = _positions(shards, device)
     table = torch.full((shards[0].extent,), -1, dtype=torch.long, device=device)
     return table.index_copy_(0, mine, torch.arange(len(mine), device=device))
 
 
-@lru_cache(maxsize=4096)
+@planned
 def _with_sizes(layout: Layout, sizes: tuple[tuple[int, int | None], ...]) -> Layout | None:
     """``Layout.with_sizes``, built once per layout and sizes: ops call it every step."""
     new = dict(sizes)
@@ -308,7 +246,7 @@ def _with_sizes(layout: Layout, sizes: tuple[tuple[int, int | None], ...]) -> La
 PAD_MODES = ("zeros", "constant", "reflect", "replicate", "circular")
 
 
-@lru_cache(maxsize=4096)
+@planned
 def partition(n: int, parts: int) -> tuple[tuple[int, int], ...]:
     """``(start, stop)`` of every rank's rows when ``n`` rows are split over ``parts`` ranks."""
     base, extra = n // parts, n % parts  # not divmod: dynamo traces this
@@ -385,7 +323,6 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = [
     "PAD_MODES",
-    "Axis",
     "DimShard",
     "Layout",
     "LayoutError",

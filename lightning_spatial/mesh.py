@@ -1,4 +1,5 @@
-"""The (data, spatial_h, spatial_w) decomposition of the world: validated here, built into a DeviceMesh once.
+"""The (data, spatial_h, spatial_w) decomposition of the world: validated here, built into a DeviceMesh once; and
+``Axis``, one mesh axis as a rank sees it (its process group found by its ranks).
 
 Ranks are laid out data-major, so each spatial group is a block of consecutive ranks: with one process
 per device and ``spatial_size`` dividing the devices per node, a spatial group never leaves a node (fast
@@ -11,11 +12,58 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 SHARD_DIMS = ("width", "height")
+
+
+# Process groups by their global ranks: an Axis pickles as plain ranks (DataLoader workers build
+# layouts) and finds its group again in the process that communicates.
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def group_of(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The process group of an axis's global ranks, in this process."""
+    try:
+        return _GROUPS[tuple(ranks)]
+    except KeyError:
+        raise RuntimeError(
+            f"no process group for ranks {tuple(ranks)} in this process; build it with Axis.from_group"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One mesh axis as seen from this rank: its global ranks (in group order) and our index among them."""
+
+    ranks: tuple[int, ...]
+    index: int
+
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup | None = None) -> Axis:
+        group = group or dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(group))
+        _GROUPS[ranks] = group
+        return cls(ranks, dist.get_rank(group))
+
+    @staticmethod
+    def forget_groups() -> None:
+        """After ``destroy_process_group``: its groups must not outlive it here. A process forked later would
+        free one when an axis of the same ranks replaced it, and a gloo group's destructor there waited
+        forever for threads that only existed in this process."""
+        _GROUPS.clear()
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return group_of(self.ranks)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
 
 
 @dataclass(frozen=True)
@@ -60,14 +108,12 @@ class SpatialDims:
         data, rest = divmod(rank, self.spatial_size)
         return (data, *divmod(rest, self.spatial_w))
 
-    def build(self, device_type: str, timeout: timedelta | None = None):
+    def build(self, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
         """The DeviceMesh with axes ``("data", "spatial_h", "spatial_w")`` (collective: every rank calls it).
 
         Every axis group waits at most ``timeout`` for its peers, like the world group: ``init_device_mesh``
         would create them with the backend's default (30 min), so a stalled neighbour would hang a halo exchange.
         """
-        from torch.distributed.device_mesh import DeviceMesh
-
         ranks = torch.arange(self.world_size).view(self.shape)
         groups = []
         for axis in range(ranks.dim()):
@@ -93,4 +139,4 @@ def tiles(spatial_size: int | Sequence[int], shard_dim: str) -> tuple[int, int]:
     return (1, sizes[0]) if shard_dim == "width" else (sizes[0], 1)
 
 
-__all__ = ["SHARD_DIMS", "SpatialDims", "tiles"]
+__all__ = ["SHARD_DIMS", "Axis", "SpatialDims", "group_of", "tiles"]

@@ -44,12 +44,12 @@ from torch import nn
 from torch.nn.modules.utils import _ntuple
 from torch.utils._pytree import tree_leaves
 
-from . import halo
-from .callbacks import _SavedActivations
-from .layout import Axis
-from .mesh import SpatialDims
+from .fallback import size_text as _size
+from .mesh import Axis, SpatialDims
+from .run import Run, entered
+from .saved import SavedActivations
 from .sharding import Select, shard_batch
-from .tensor import SpatialTensor, _size, fallback_mode
+from .tensor import SpatialTensor
 
 _OOM = "out of memory in the probe"
 MARGIN = 0.9  # of the free memory: the CUDA context, NCCL buffers and fragmentation are not in the estimate
@@ -345,11 +345,12 @@ class _Probe:
     def _step(self, batch: Any) -> tuple[int, int]:
         """(bytes a forward and backward hold above the model state and the batch; halo bytes). Compiled code runs
         eagerly: compiling every candidate would cost more than the probe measures."""
-        saved, halo, cuda = _SavedActivations(self.model), _HaloBytes(self.model), self.device.type == "cuda"
+        saved, halo, cuda = SavedActivations(self.model), _HaloBytes(self.model), self.device.type == "cuda"
         if cuda:  # the allocator's statistics are kept on the host: no synchronisation needed
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-        with fallback_mode("silent"), _zero_filled_messages(), halo, torch.compiler.set_stance("force_eager"):
+        probe = Run(fallback="silent", zero_undelivered=True)  # the fake groups deliver no halos: zeros arrive
+        with entered(probe), halo, torch.compiler.set_stance("force_eager"):
             with saved, self.precision.train_step_context():
                 loss = _loss(self.model.training_step(batch, 0))
             loss.backward()
@@ -371,24 +372,6 @@ class _Probe:
     def release(self) -> None:
         self.model = self.optimizers = None
         _free(self.device)
-
-
-@contextmanager
-def _zero_filled_messages():
-    """Halos the fake groups never deliver read as zeros, not as uninitialised memory, where a NaN would stop a
-    detector's Hungarian matching (their all-gather already hands every rank's piece this rank's input)."""
-    send_recv = halo._p2p
-
-    def zero_filled(group, sends, recvs):
-        for _, t in recvs:
-            t.zero_()
-        send_recv(group, sends, recvs)
-
-    halo._p2p = zero_filled
-    try:
-        yield
-    finally:
-        halo._p2p = send_recv
 
 
 def _optimizers(model: nn.Module) -> list | None:

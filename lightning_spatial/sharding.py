@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves_with_path, tree_unflatten
 
-from .layout import Axis, LayoutError
+from .layout import LayoutError
+from .mesh import Axis
 from .tensor import SpatialTensor, shard, wrap
 
 Select = Callable[[str, torch.Tensor], bool]

@@ -32,15 +32,16 @@ import json
 import os
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_spatial import Axis
-from lightning_spatial.layout import DimShard, Layout, partition
-from lightning_spatial.tensor import HANDLERS, fallback_mode, wrap
+from lightning_spatial import SpatialFallbackWarning, register_handler, remove_handler
+from lightning_spatial.primitives import Axis, DimShard, Layout, partition, wrap
+from lightning_spatial.run import Run, entered
 
 GIB = 2**30
 
@@ -136,14 +137,19 @@ def measure(step, device, steps: int, warmup: int) -> tuple[float, float, float]
 
 
 @contextlib.contextmanager
-def without_attention_handler():
-    """As if attention had no spatial handler: ``multi_head_attention_forward`` takes the exact fallback."""
-    saved = HANDLERS.pop(F.multi_head_attention_forward)
+def fallbacks_counted(gather: bool):
+    """Count the fallbacks of the block (``gather``: as if attention had no spatial handler, so that
+    ``multi_head_attention_forward`` takes the exact fallback; else fallbacks raise)."""
+    counted = []
+    saved = remove_handler(F.multi_head_attention_forward) if gather else None
     try:
-        with fallback_mode("silent"):
-            yield
+        with entered(Run(fallback="warn" if gather else "error")), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", SpatialFallbackWarning)
+            yield counted
+        counted.extend(w for w in caught if w.category is SpatialFallbackWarning)
     finally:
-        HANDLERS[F.multi_head_attention_forward] = saved
+        if saved is not None:
+            register_handler(F.multi_head_attention_forward, override=True)(saved)
 
 
 def fake_group(rank: int, size: int) -> Axis:
@@ -163,7 +169,7 @@ def run_mode(args, device, mode: str) -> dict:
     columns = partition(args.width, s)[rank]
     queries, leaf, features = inputs(args, device, columns, axis)
     step = step_fn(model, queries, features, args)
-    with without_attention_handler() if mode == "gather" else contextlib.nullcontext():
+    with fallbacks_counted(gather=mode == "gather") as fallbacks:
         ms, peak, transient = measure(step, device, args.steps, args.warmup)
     tokens = args.batch * args.cameras * args.height * args.width
     row = {
@@ -175,6 +181,7 @@ def run_mode(args, device, mode: str) -> dict:
         "heads": args.heads,
         "tokens": tokens,
         "tokens_here": args.batch * args.cameras * args.height * (columns[1] - columns[0]),
+        "fallbacks": len(fallbacks),  # ops that gathered (once per op and layer)
         "layers": args.layers,
         "precision": args.precision,
         "dropout": args.dropout,

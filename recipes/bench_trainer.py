@@ -8,6 +8,13 @@ collate hook), any strategy. Compares strategies on the same model and global ba
     torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --compile ...
     torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --compile backbone --cuda-graphs backbone
     python recipes/bench_trainer.py --strategy single --model petr --batch 1 --height 512 --width 1408
+    python recipes/bench_trainer.py --strategy spatial_tp --fake-world 8 --baseline shard --model convnext_xlarge \
+        --batch 7 --height 512 --width 4096 --precision bf16-mixed      # one GPU: rank 1 of 8, and its shard alone
+
+One GPU plays one rank of a larger run with ``--fake-world S`` (``lightning_spatial.fake_rank.FakeRank``: PyTorch's
+fake backend, so the rank runs the real run's kernels on its shard, and no message travels); ``--baseline`` runs, in
+the same process and first, the plain model alone through the Trainer (one device, eager, no graphs) on that rank's
+shard of the input (``shard``) or on the whole input (``device``), and the row holds both and their ratio.
 
 ``--batch`` is per process for data parallel strategies and per spatial group for ``spatial_tp`` (every rank of
 a group loads the same samples and keeps its columns). Samples are fixed random images held in memory, so the
@@ -41,8 +48,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
     p.add_argument(
-        "--cuda-graphs", default="", help="spatial_tp: submodules replayed as CUDA graphs, comma list (backbone)"
+        "--cuda-graphs",
+        default="auto",
+        help="spatial_tp: auto (the default), off, or the submodules replayed as CUDA graphs, comma list (backbone)",
     )
+    p.add_argument("--fake-world", type=int, default=0, help="one GPU plays one rank of a run of this many ranks")
+    p.add_argument("--fake-rank", type=int, default=None, help="the rank it plays (default: 1, an interior one)")
+    p.add_argument("--baseline", choices=("none", "shard", "device"), default="none", help="the plain model alone")
     p.add_argument(
         "--compile",
         nargs="?",
@@ -140,8 +152,8 @@ def strategy(args):
     from lightning_spatial import HorovodStrategy, SpatialParallelStrategy
 
     if args.strategy == "spatial_tp":
-        graphs = [name for name in args.cuda_graphs.split(",") if name]
-        return SpatialParallelStrategy(args.spatial or None, cuda_graphs=graphs)
+        graphs = {"auto": "auto", "off": False}.get(args.cuda_graphs) or args.cuda_graphs.split(",")
+        return SpatialParallelStrategy(args.spatial or args.fake_world or None, cuda_graphs=graphs)
     if args.strategy == "horovod":
         fusion = None if args.fusion_mb is None else int(args.fusion_mb * 2**20)
         return HorovodStrategy(
@@ -155,14 +167,19 @@ def strategy(args):
     return {"single": "auto", "ddp": "ddp"}[args.strategy]
 
 
-def main() -> None:
-    args = parse()
-    os.makedirs(args.out, exist_ok=True)
-    devices = 1 if args.strategy in ("single", "horovod") else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+def measure(args, plugins: list) -> dict:
+    """One fit through the Trainer: the median timed step, the range, peak memory (allocated, and reserved: graph
+    pools included)."""
+    devices = (
+        1 if args.strategy in ("single", "horovod") or args.fake_world else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    )
     model, loader = model_and_data(args, (args.warmup + args.steps) * args.batch * 8)
     name = f"profile_{args.strategy}_{args.model}_{args.precision}_{os.getpid()}.txt"  # one per run; options inside
     options = {k: v for k, v in vars(args).items() if k != "out"}
     timer = StepTimer(args.warmup, os.path.join(args.out, name) if args.profile else None, options)
+    if args.accelerator == "gpu":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=devices,
@@ -174,24 +191,60 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[timer],
+        plugins=plugins,
     )
     if args.compile and args.compile != "module":
         model.get_submodule(args.compile).compile(mode=args.compile_mode)
     trainer.fit(torch.compile(model, mode=args.compile_mode) if args.compile == "module" else model, loader)
     device = trainer.strategy.root_device
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    row = {
-        **options,
+    cuda = device.type == "cuda"
+    return {
         "world": trainer.world_size,
+        "rank": trainer.global_rank,
         "step_ms": statistics.median(timer.times),
         "step_ms_range": [round(min(timer.times), 1), round(max(timer.times), 1)],
-        "peak_gib_rank0": round(peak, 2),
-        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # rank 0's, 0 when eager
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),  # torchrun sets OMP_NUM_THREADS=1 for its processes, horovodrun does not
+        "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else float("nan"),
+        "reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2) if cuda else float("nan"),
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # 0 when eager
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
     }
-    if trainer.global_rank == 0:
+
+
+def baseline(args) -> dict:
+    """The plain model alone (one device, eager, no graphs) on this rank's shard of the input or the whole input."""
+    from lightning_spatial.primitives import partition
+
+    plain = argparse.Namespace(**{**vars(args), "strategy": "single", "compile": "", "fake_world": 0, "profile": False})
+    if args.baseline == "shard":
+        spatial = args.spatial or args.fake_world
+        lo, hi = partition(args.width, spatial)[rank_played(args)]
+        plain.width = hi - lo  # width splits: the rank's columns
+    return measure(plain, [])
+
+
+def rank_played(args) -> int:
+    return min(1, args.fake_world - 1) if args.fake_rank is None else args.fake_rank
+
+
+def main() -> None:
+    args = parse()
+    os.makedirs(args.out, exist_ok=True)
+    options = {k: v for k, v in vars(args).items() if k != "out"}
+    row = {**options}
+    if args.baseline != "none":
+        row["baseline_run"] = baseline(args)
+    if args.fake_world:
+        from lightning_spatial.fake_rank import FakeRank
+
+        with FakeRank(args.fake_world, rank_played(args)) as env:
+            row.update(measure(args, [env]))
+    else:
+        row.update(measure(args, []))
+    if args.baseline != "none":
+        row["time_vs_baseline"] = round(row["step_ms"] / row["baseline_run"]["step_ms"], 3)
+        row["reserved_vs_baseline"] = round(row["reserved_gib"] / row["baseline_run"]["reserved_gib"], 3)
+    row.update({"torch": torch.__version__, "threads": torch.get_num_threads()})  # torchrun: OMP_NUM_THREADS=1
+    if row["rank"] == 0 or args.fake_world:
         print(json.dumps(row), flush=True)
         with open(os.path.join(args.out, "bench_trainer.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")

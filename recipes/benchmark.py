@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from lightning_spatial import Axis, SpatialDims, halo
+from lightning_spatial import halo
 from lightning_spatial.graphs import CUDAGraphed, noting_bucket_views
-from lightning_spatial.halo import HaloStats
 from lightning_spatial.layout import DimShard, Layout, partition
+from lightning_spatial.primitives import Axis, SpatialDims, counting_halo_bytes
 from lightning_spatial.strategies.spatial import gradients_laid_out_like_parameters
 from lightning_spatial.tensor import wrap
 
@@ -254,9 +254,9 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
     if real:  # the rank that needs most memory is the one that matters
         row["ours_gib_ranks"] = every_rank(row["ours_gib"])
         row["ours_gib"] = max(row["ours_gib_ranks"])
-    HaloStats.reset()
-    step()
-    row["halo_mib_per_step"] = HaloStats.sent_bytes / 2**20
+    with counting_halo_bytes() as halos:
+        step()
+    row["halo_mib_per_step"] = halos.sent / 2**20
     if args.profile:
         summary = profile(step, device, show=not real or rank == 0)
         ops = summary.pop("op_device_ms", None)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_spatial import Axis
 from lightning_spatial.layout import DimShard, Layout
+from lightning_spatial.primitives import Axis
 from lightning_spatial.tensor import wrap
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_spatial import SpatialTensor, gather, shard
-from lightning_spatial.tensor import _warned, wrap
+from lightning_spatial.primitives import wrap
+from lightning_spatial.run import Run, entered
 
 RTOL = 1e-5  # fp32 (and lower precisions)
 # float64: whole timm models agree to 3.5e-13 at worst (EfficientNet-B0's SE bias gradients), 1e-14 typically
@@ -72,14 +72,10 @@ def check(
             local = t.detach().clone().requires_grad_(t.is_floating_point())
             leaves.append((i, local, None))
             ours.append(local)
-    _warned.clear()  # each fallback warns once per process: make this call's fallbacks visible
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    # A run of its own: fallbacks are errors (an exact gather-and-run would hide a missing handler) unless allowed,
+    # then they warn, each once in this call
+    with entered(Run(fallback="warn" if allow_fallback else "error")):
         out = op(*ours)
-    fallbacks = [str(w.message) for w in caught if "no spatial handler" in str(w.message)]
-    assert allow_fallback or not fallbacks, f"op fell back instead of running spatially: {fallbacks}"
-    for w in caught:  # pass them on to the caller
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     outs = out if isinstance(out, tuple) else (out,)
     assert len(outs) == len(ref_outs)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lightning_spatial import Axis
+from lightning_spatial.primitives import Axis
 
 
 def run_spmd(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> None:

@@ -1,4 +1,5 @@
-"""recipes/bench_attention.py runs end to end on CPU at toy size (its split path agrees with torch; no timing)."""
+"""recipes/bench_attention.py runs end to end on CPU at toy size (its split path agrees with torch, its "gather"
+baseline really gathers; no timing)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,4 @@ def test_bench_attention_smoke(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "bench_attention.jsonl").read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["single", "split", "gather"]
     assert [r["tokens_here"] for r in rows] == [2 * 4 * 8, 2 * 4 * 4, 2 * 4 * 4]
+    assert [r["fallbacks"] > 0 for r in rows] == [False, False, True]  # only the baseline takes the fallback

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_spatial import Axis, DimShard, Layout, LayoutError
+from lightning_spatial import LayoutError
 from lightning_spatial.ops._binding import Binding
+from lightning_spatial.primitives import Axis, DimShard, Layout
 from lightning_spatial.tensor import wrap
 from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd
@@ -40,7 +41,7 @@ def test_a_call_is_passed_on_as_given_only_where_the_handler_takes_it_so():
     every = frozenset({"input", "dim", "keepdim", "dtype"})
 
     def passing(func, args, kwargs, positional=("input", "dim", "keepdim", "dtype"), names=every):
-        return Binding(func).passing((x, *args), kwargs, positional, names)
+        return Binding(func, positional, names).plan((x, *args), kwargs).add
 
     assert passing(torch.sum, (1,), {}) == {"keepdim": False, "dtype": None}  # the defaults torch would bind
     assert passing(torch.sum, (1,), {"keepdim": True}) == {"dtype": None}

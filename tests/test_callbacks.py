@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from lightning_spatial import SpatialParallelStrategy
-from lightning_spatial.callbacks import SpatialSummary, _images, _SavedActivations
+from lightning_spatial.callbacks import SpatialSummary, _images
+from lightning_spatial.saved import SavedActivations
 from tests.strategy.lit import Images, LitModel, loader
 
 
 def test_saved_activations_are_the_distinct_tensors_autograd_keeps_without_parameters():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.ReLU(), torch.nn.ReLU())
     x = torch.randn(2, 3, 16, 16)
-    saved = _SavedActivations(model)
+    saved = SavedActivations(model)
     with saved:
         model(x).sum().backward()
     # conv keeps its input x; the first ReLU its output; the second ReLU its output (a new tensor); weights excluded

@@ -12,9 +12,9 @@ import timm
 import torch
 import torch.distributed as dist
 
-from lightning_spatial import Axis, DimShard, Layout, halo
-from lightning_spatial import graphs as graphs_module
+from lightning_spatial import halo, run
 from lightning_spatial.graphs import CUDAGraphed, _Replay, noting_bucket_views
+from lightning_spatial.primitives import Axis, DimShard, Layout
 from lightning_spatial.tensor import SpatialTensor, wrap
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -319,7 +319,7 @@ def test_replayed_gradients_land_in_ddp_buckets_with_one_copy():
         assert accumulate and not [name for e in accumulate for name in copies(e)]
         for p, g in zip(model.parameters(), reference):
             torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=0)
-            assert p.grad.data_ptr() == graphs_module._BUCKET_VIEWS[p].data_ptr() and p.grad.stride() == p.stride()
+            assert p.grad.data_ptr() == run.current().bucket_views[p].data_ptr() and p.grad.stride() == p.stride()
         replayed(x).sum().backward()  # .grad set: added to, in the bucket
         for p, g in zip(model.parameters(), reference):
             torch.testing.assert_close(p.grad, 2 * g, rtol=1e-6, atol=0)

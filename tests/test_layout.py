@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from lightning_spatial.layout import (
-    Axis,
     DimShard,
     Layout,
     adaptive_bins,
@@ -21,6 +20,7 @@ from lightning_spatial.layout import (
     source_index,
     transposed_window,
 )
+from lightning_spatial.mesh import Axis
 
 
 @pytest.mark.parametrize("n,parts", [(8, 2), (97, 3), (5, 5), (13, 4), (1, 1)])
@@ -111,11 +111,14 @@ def test_token_positions_and_owners_partition_the_tokens_in_order():
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(70))
 
 
-def test_a_layout_pickles_without_what_it_remembered():
-    """DataLoader workers receive layouts; ops' answers kept with one may have keys pickle refuses (``x.mT``'s
-    getter keys a permutation)."""
+def test_a_layout_pickles_without_its_plans():
+    """DataLoader workers receive layouts; plans kept with one may have keys pickle refuses (``x.mT``'s getter keys
+    a permutation)."""
+    from lightning_spatial.ops.shape import _moved
+
     layout = Layout((DimShard(-1, Axis((0, 1, 2), 1), 9),))
-    layout.remember(("permute", torch.Tensor.mT.__get__, 4, ((), ())), layout)
+    _moved(layout, torch.Tensor.mT.__get__, 4, ((), ()))
+    assert layout.plans, "the permutation's plan is kept with the layout"
     copy = pickle.loads(pickle.dumps(layout))
-    assert copy == layout and copy.memo == {} and copy.dims == (-1,)
+    assert copy == layout and copy.plans == {} and copy.dims == (-1,)
     assert copy.cut_for(torch.Size([2, 9])) == layout

@@ -13,7 +13,8 @@ import warnings
 import pytest
 import torch
 
-from lightning_spatial import Axis, DimShard, Layout, SpatialTensor, fallback_mode, gather, shard
+from lightning_spatial import SpatialTensor, fallback_mode, gather, shard
+from lightning_spatial.primitives import Axis, DimShard, Layout
 from lightning_spatial.sharding import ShardingCollate
 from lightning_spatial.tensor import wrap
 from tests.oracle import check

@@ -203,6 +203,24 @@ def test_petr_benchmark_smoke_on_cpu(tmp_path):
     assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows) and rows[1]["halo_mib_per_step"] > 0
 
 
+def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
+    """``--fake-world``: one process plays rank 1 of a 3-rank width split through the Trainer (the fake backend), and
+    ``--baseline shard`` runs the plain model alone on that rank's 32 of 96 columns first; no timing is asserted."""
+    args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", "convnext_atto", "--height", "32"]
+    args += ["--width", "96", "--fake-world", "3", "--baseline", "shard", "--steps", "2", "--warmup", "1"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "bench_trainer.py"), *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
+    assert row["world"] == 3 and row["rank"] == 1 and row["baseline_run"]["world"] == 1
+    assert row["time_vs_baseline"] == round(row["step_ms"] / row["baseline_run"]["step_ms"], 3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, compiled", [("spatial_tp", ""), ("spatial_tp", "module"), ("spatial_tp", "backbone"), ("ddp", "")]
@@ -231,7 +249,7 @@ def test_trainer_benchmark_under_torchrun(strategy, compiled, tmp_path):
     (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
     assert row["world"] == 2 and row["strategy"] == strategy and row["step_ms"] > 0 and row["compile"] == compiled
     assert (row["compiled_graphs"] > 0) == bool(compiled)
-    assert row["cuda_graphs"] == ("" if strategy == "ddp" or compiled == "module" else "backbone")
+    assert row["cuda_graphs"] == ("auto" if strategy == "ddp" or compiled == "module" else "backbone")
     assert row["step_ms_range"][0] <= row["step_ms"] <= row["step_ms_range"][1]
     assert row["threads"] == 1  # torchrun's OMP_NUM_THREADS=1
     profiles = list(tmp_path.glob("profile_*.txt"))

@@ -7,20 +7,10 @@ import warnings
 import pytest
 import torch
 
-from lightning_spatial import (
-    Axis,
-    DimShard,
-    Layout,
-    LayoutError,
-    SpatialFallbackWarning,
-    SpatialTensor,
-    fallback_mode,
-    fetch_window,
-    gather,
-    shard,
-)
+from lightning_spatial import LayoutError, SpatialFallbackWarning, SpatialTensor, fallback_mode, gather, shard
 from lightning_spatial.layout import partition, source_index
-from lightning_spatial.tensor import _warned, module_names, wrap
+from lightning_spatial.primitives import Axis, DimShard, Layout, fetch_window, wrap
+from lightning_spatial.run import Run, entered
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
@@ -215,9 +205,7 @@ def test_results_become_shards_without_changing_what_the_caller_holds():
 def test_fallback_is_announced_before_any_communication_with_op_module_and_bytes():
     x = _orphan((1, 4, 128, 512), 1024)  # global 1 x 4 x 128 x 1024 float32: 2 MiB
     block = _Block()
-    module_names[id(block)] = "backbone.stage1"
-    _warned.clear()
-    try:
+    with entered(Run(module_names={id(block): "backbone.stage1"})):
         with warnings.catch_warnings():
             warnings.filterwarnings("error", category=SpatialFallbackWarning)
             for _ in range(2):  # raised, so not marked as announced: the filter raises again
@@ -239,5 +227,3 @@ def test_fallback_is_announced_before_any_communication_with_op_module_and_bytes
                 torch.cumsum(x, -1)
         assert [w.category for w in records] == [SpatialFallbackWarning] * 2
         assert "in module" not in str(records[1].message) and records[0].filename == __file__  # the user's line
-    finally:
-        del module_names[id(block)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..tensor import HANDLERS, index_handlers
+from ..registry import add_handlers
 from . import (
     attention,
     autograd,
@@ -47,10 +47,9 @@ FAMILIES = (
 
 
 def install() -> None:
-    """Route the torch functions each family handles to its handlers for every ``SpatialTensor``."""
+    """Register every family's handlers (``registry``), later families over earlier ones."""
     for family in FAMILIES:
-        HANDLERS.update(family.HANDLERS)
-    index_handlers()
+        add_handlers(family.HANDLERS, override=True)
 
 
 __all__ = ["FAMILIES", "install"]

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 from torch._jit_internal import boolean_dispatched
-from torch.utils._pytree import tree_map
 
+from ..fallback import fallback, name_of
 from ..layout import LayoutError
-from ..tensor import _dynamo_compiling, fallback, name_of
+from ..plans import planned
+from ._meta import raise_torch_error
 
 _ALIASES = {"axis": "dim", "keepdims": "keepdim"}  # numpy spellings torch's parser accepts
 
@@ -55,62 +56,54 @@ class _Overload:
         return out
 
 
-class Binding:
-    """The overloads of one torch function; ``bind(args, kwargs)`` is the matching overload's arguments."""
+@dataclass(frozen=True)
+class Call:
+    """How a handler receives calls of one shape: the overload they match (``None``: torch accepts a call none
+    here matches, so only the exact fallback is safe), and ``add``, the defaults to pass along with the call as it
+    is, or ``None`` where the handler must be called with the arguments by name."""
 
-    def __init__(self, func: Callable):
-        self.func = func
+    overload: _Overload | None
+    add: dict[str, Any] | None
+
+
+class Binding:
+    """The overloads of one torch function, and how a handler (``positional``: its positional-or-keyword parameter
+    names, ``names``: all it takes by name) receives calls of it."""
+
+    def __init__(self, func: Callable, positional: tuple[str, ...] = (), names: frozenset[str] = frozenset()) -> None:
+        self.func, self.positional, self.names = func, positional, names
         self.overloads = _overloads(func)
-        self._chosen: dict[tuple, _Overload] = {}  # call shape (count, keywords, types) -> overload
-        self._passed: dict[tuple, dict[str, Any] | None] = {}  # call shape -> ``passing``'s answer
         # a Python function has one signature: its binding depends on the count and keywords, not the types
-        self._call_shape = _shape_of if self.overloads[0].checks else _count_and_keywords
+        self.call_shape = _shape_of if self.overloads[0].checks else _count_and_keywords
+
+    def plan(self, args: tuple, kwargs: dict) -> Call:
+        """The ``Call`` of ``args``/``kwargs``, decided once per call shape; a call torch rejects raises torch's
+        error."""
+        return _call(self, self.call_shape(args, kwargs), args, kwargs)
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-        """The arguments by name; ``None`` if torch accepts a call no overload here matches (then only the
-        exact fallback is safe). A call torch rejects raises torch's error."""
-        return self._match(args, kwargs)[1]
+        """The arguments by name; ``None`` if torch accepts a call no overload here matches."""
+        overload = self.plan(args, kwargs).overload
+        return None if overload is None else overload.bind(args, kwargs, check=False)
 
-    def passing(self, args: tuple, kwargs: dict, positional: tuple[str, ...], names: frozenset[str]):
-        """The defaults to add to the call as it is, so that a function whose parameters are ``names``, the first
-        ``positional`` of them also by position, receives exactly the bound arguments; ``None`` where the call must
-        be bound (torch's and the function's parameters differ, a numpy alias, ``out=``, or under dynamo). Decided
-        once per call shape: the common path of every bound handler, without building the arguments by name."""
-        if _dynamo_compiling():
-            return None
-        key = self._call_shape(args, kwargs)
-        try:
-            return self._passed[key]
-        except KeyError:
-            pass
-        overload, arguments = self._match(args, kwargs)  # raises a call torch rejects
-        passed = None
-        if arguments is not None and positional[: len(args)] == overload.names[: len(args)]:
-            rest = [n for n in overload.names[len(args) :] if n not in kwargs and n != "out"]
-            if all(k in names and k != "out" for k in kwargs) and all(n in names for n in rest):
-                passed = {n: arguments[n] for n in rest}
-        self._passed[key] = passed
-        return passed
 
-    def _match(self, args: tuple, kwargs: dict) -> tuple[_Overload | None, dict[str, Any] | None]:
-        if not self.overloads[0].checks:  # a Python function: one signature, no types to tell overloads apart
-            out = self.overloads[0].bind(args, kwargs)
-            if out is None:
-                raise_torch_error(self.func, args, kwargs)
-            return self.overloads[0], out
-        traced = torch.compiler.is_dynamo_compiling()  # a cache read in a graph is guarded: a filled one recompiles
-        key = None if traced else _shape_of(args, kwargs)
-        cached = None if traced else self._chosen.get(key)
-        if cached is not None:  # the same types as a call that matched: the type tests would pass again
-            return cached, cached.bind(args, kwargs, check=False)
-        for overload in self.overloads:
-            out = overload.bind(args, kwargs)
-            if out is not None:
-                if not traced:
-                    self._chosen[key] = overload
-                return overload, out
-        raise_torch_error(self.func, args, kwargs)
-        return None, None
+@planned(key=lambda binding, shape, args, kwargs: (binding, shape))
+def _call(binding: Binding, shape: tuple, args: tuple, kwargs: dict) -> Call:
+    """``Binding.plan``: the first overload whose parameters and types fit (the same types fit again, so a call
+    shape decides it), and whether the handler can take the call as it is: its positional parameters are the
+    overload's for the arguments given by position, it takes every keyword given and every default to add by
+    those names, and no numpy alias or ``out=`` is involved."""
+    overload = next((o for o in binding.overloads if o.bind(args, kwargs) is not None), None)
+    if overload is None:
+        raise_torch_error(binding.func, args, kwargs)  # a call torch rejects raises torch's own error
+        return Call(None, None)
+    arguments = overload.bind(args, kwargs, check=False)
+    add = None
+    if binding.positional[: len(args)] == overload.names[: len(args)]:
+        rest = [n for n in overload.names[len(args) :] if n not in kwargs and n != "out"]
+        if all(k in binding.names and k != "out" for k in kwargs) and all(n in binding.names for n in rest):
+            add = {n: arguments[n] for n in rest}
+    return Call(overload, add)
 
 
 def bound(impl: Callable, *funcs: Callable) -> dict[Callable, Callable]:
@@ -119,37 +112,24 @@ def bound(impl: Callable, *funcs: Callable) -> dict[Callable, Callable]:
 
 
 def _handler(func: Callable, impl: Callable) -> Callable:
-    binding = Binding(func)
     params = inspect.signature(impl).parameters.values()
     names = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
     positional = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
+    binding = Binding(func, positional, names)
 
     def handler(*args, **kwargs):
-        passed = binding.passing(args, kwargs, positional, names)
-        if passed is not None:
-            return impl(*args, **kwargs, **passed) if passed else impl(*args, **kwargs)
-        arguments = binding.bind(args, kwargs)
-        if arguments is None:
+        call = binding.plan(args, kwargs)
+        if call.add is not None:
+            return impl(*args, **kwargs, **call.add) if call.add else impl(*args, **kwargs)
+        if call.overload is None:
             return fallback(func, args, kwargs)
+        arguments = call.overload.bind(args, kwargs, check=False)
         if arguments.pop("out", None) is not None:
             raise LayoutError(f"{name_of(func)}: out= is not supported on sharded tensors; assign the result instead")
         return impl(**arguments)
 
     handler.__name__ = getattr(impl, "__name__", "handler")
     return handler
-
-
-def raise_torch_error(func: Callable, args: tuple, kwargs: dict) -> None:
-    """Run the call on meta tensors of the same global shapes: torch raises its own error for a bad call."""
-
-    def meta(t):
-        return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
-
-    args, kwargs = tree_map(meta, (args, kwargs))  # global shapes: ``t.shape`` of a SpatialTensor is global
-    try:
-        func(*args, **kwargs)
-    except NotImplementedError:  # no meta kernel: nothing learnt
-        pass
 
 
 def _overloads(func: Callable) -> tuple[_Overload, ...]:
@@ -242,4 +222,4 @@ def _kind(v) -> Any:
     return t
 
 
-__all__ = ["Binding", "bound", "raise_torch_error"]
+__all__ = ["Binding", "Call", "bound"]

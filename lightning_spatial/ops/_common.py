@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.utils._pytree import tree_map
 
+from ..fallback import name_of
 from ..halo import fetch_window
 from ..layout import DimShard, Layout, LayoutError, partition
+from ..plans import planned
 from ..tensor import SpatialTensor
 
 
@@ -35,24 +35,25 @@ def require_replicated(op: str, weight: torch.Tensor | None, bias: torch.Tensor 
         raise LayoutError(f"{op}: {name} is sharded; weights and biases must be replicated (plain tensors)")
 
 
-def spatial_shards(op: str, x: torch.Tensor, layout: Layout, nd: int) -> dict[int, DimShard]:
-    """Sharded dims as spatial index (0 = first of the op's ``nd`` spatial dims) -> shard."""
+@planned
+def spatial_shards(op: str, layout: Layout, nd: int) -> Mapping[int, DimShard]:
+    """Sharded dims as spatial index (0 = first of the op's ``nd`` spatial dims) -> shard (read-only)."""
     out = {}
     for s in layout.shards:
         i = s.dim + nd
         if s.merged:
             raise LayoutError(
-                f"{op}: dim {s.dim} of the input {tuple(layout.global_shape(x))} holds tokens merged from a sharded "
-                f"dim ({s.outer} x {s.size} x {s.inner}); {op} needs spatial neighbours: view the tokens as the "
-                "spatial map again (e.g. x.view(B, C, h, w)) before it"
+                f"{op}: dim {s.dim} of the input holds tokens merged from a sharded dim ({s.outer} x {s.size} x "
+                f"{s.inner}); {op} needs spatial neighbours: view the tokens as the spatial map again (e.g. "
+                "x.view(B, C, h, w)) before it"
             )
         if i < 0:
             raise LayoutError(
-                f"{op}: input of shape {tuple(layout.global_shape(x))} is sharded along dim {s.dim}, which is not one "
-                f"of its {nd} spatial dims; shard only the trailing spatial dims (height, width)"
+                f"{op}: the input [{layout.describe()}] is sharded along dim {s.dim}, which is not one of its {nd} "
+                "spatial dims; shard only the trailing spatial dims (height, width)"
             )
         out[i] = s
-    return out
+    return MappingProxyType(out)
 
 
 def check_output_size(op: str, shard: DimShard, out_size: int) -> None:
@@ -80,33 +81,6 @@ def output_rows(shard: DimShard, out_size: int) -> tuple[int, int]:
 def local_padding(padding: Sequence[int], shards: dict[int, DimShard]) -> list[int]:
     """The padding the local op applies: none along sharded dims, whose fetched windows already hold it."""
     return [0 if i in shards else p for i, p in enumerate(padding)]
-
-
-class AsGiven:
-    """An op's plans by its arguments as the caller gave them (``stride=1`` and ``stride=(1, 1)`` apart): a call
-    like an earlier one skips normalising them and the checks they passed. Not read under dynamo (a graph would
-    guard on the table and recompile whenever it grew) or for unhashable arguments (lists). Not a dict itself:
-    dynamo wraps a dict it meets, entries and all, and could not hash a filled one's keys (a graph break that
-    took shards to a later graph at their global sizes)."""
-
-    def __init__(self) -> None:
-        self._plans: dict = {}
-
-    def find(self, given: tuple) -> Any:
-        if torch.compiler.is_dynamo_compiling():
-            return None
-        try:
-            return self._plans.get(given)
-        except TypeError:
-            return None
-
-    def keep(self, given: tuple, plan: Any) -> Any:
-        if not torch.compiler.is_dynamo_compiling() and len(self._plans) < 1024:
-            try:
-                self._plans[given] = plan
-            except TypeError:
-                pass
-        return plan
 
 
 @dataclass(frozen=True)
@@ -156,77 +130,6 @@ def eager_backward(backward: Callable) -> Callable:
 _DYNAMO_TRACES_ONCE_DIFFERENTIABLE = torch.torch_version.TorchVersion(torch.__version__) < "2.14"
 
 
-class _Recipe:
-    """What autograd keeps instead of a window: how to fetch it again."""
-
-    def __init__(self, rebuild: Callable[[], torch.Tensor]):
-        self.rebuild = rebuild
-
-
-@contextmanager
-def saved_as_recipe(window: torch.Tensor, source: torch.Tensor, rebuild: Callable[[], torch.Tensor]) -> Iterator[None]:
-    """While an op runs on ``window`` (``source`` widened by halos: a fresh copy), autograd keeps the window as a
-    recipe: backward fetches it again from ``source``, which stays alive as the plain op's saved input would.
-    Halos cross the wire twice; the activation is stored once (a saved window beside the tensor it was cut from
-    would store it twice). The rebuild runs under the backward's grad mode, so a second derivative still meets
-    the halo's refusal. Outer saved-tensor hooks that only observe (``pack.observes_only``: our memory
-    accounting) see every other tensor; any other outer hooks (activation checkpointing, offloading) decide what
-    is kept themselves, and the window is left to them. Under ``torch.compile`` the compiler's partitioner decides
-    what backward keeps (it may recompute the window's copies; the messages are graph ops it keeps)."""
-    if torch.compiler.is_dynamo_compiling():
-        yield
-        return
-    fresh = window.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if not (fresh and torch.is_grad_enabled()) or (outer is not None and not getattr(outer[0], "observes_only", 0)):
-        yield
-        return
-    if not _kept_anyway(source):  # the window would be its only copy: a recipe would keep as much, and refetch
-        yield
-        return
-    outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
-    key = (window.data_ptr(), tuple(window.shape), window.stride())
-
-    def pack(t: torch.Tensor):
-        return _Recipe(rebuild) if (t.data_ptr(), tuple(t.shape), t.stride()) == key else outer_pack(t)
-
-    def unpack(saved):
-        return saved.rebuild() if isinstance(saved, _Recipe) else outer_unpack(saved)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-def _kept_anyway(t: torch.Tensor) -> bool:
-    """Whether ``t`` stays alive without this op: a tensor outside the graph (a batch: its owner holds it) or
-    one its producer saved for its own backward (ReLU's output, a norm's input). Otherwise (a residual sum, an
-    autocast copy) keeping the window costs no more than keeping ``t``, and the recipe would only refetch."""
-    fn = t.grad_fn
-    while type(fn).__name__ == "AliasBackward0":  # wrap/unwrap (as_subclass) insert these: same data
-        fn = fn.next_functions[0][0]
-    if fn is None or type(fn).__name__ == "AccumulateGrad":
-        return True
-    ptr = t.data_ptr()
-    return any(s.data_ptr() == ptr for s in _saved_tensors(fn))
-
-
-def _saved_tensors(fn) -> Iterator[torch.Tensor]:
-    if isinstance(fn, torch.autograd.function.BackwardCFunction):
-        yield from fn.saved_tensors
-        return
-    for name in _saved_names(type(fn)):
-        value = getattr(fn, name)
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, torch.Tensor):
-                yield v
-
-
-@lru_cache(maxsize=None)
-def _saved_names(node: type) -> tuple[str, ...]:
-    """A C++ autograd node's saved-value attributes (``_saved_result``, ``_saved_self``, ...), per node type."""
-    return tuple(n for n in dir(node) if n.startswith("_saved_"))
-
-
 def output_layout(layout: Layout, shards: dict[int, DimShard], out_sizes: dict[int, int]) -> Layout | None:
     return layout.with_sizes({s.dim: out_sizes[i] for i, s in shards.items()})
 
@@ -252,36 +155,29 @@ def moved_shards(shards, dim: int) -> tuple[DimShard, ...]:
     return tuple(replace(s, dim=dim) for s in shards)
 
 
-def meta_check(func: Callable, *args, **kwargs) -> None:
-    """Run ``func`` on meta tensors of the operands' global shapes: torch's own argument errors (shapes,
-    dtypes, mask sizes) on every rank before any message, at no memory cost. A signature that passed once
-    is not checked again (the meta call costs about a millisecond for attention)."""
-    key = (func, _signature(args), _signature(kwargs))
+def common_layout(func: Callable, operands) -> Layout:
+    """The one layout of the sharded operands (raises if two differ)."""
+    layout = None
+    for t in operands:
+        if isinstance(t, SpatialTensor):
+            if layout is None:
+                layout = t._layout
+            elif t._layout != layout:
+                raise LayoutError(
+                    f"{name_of(func)}: operands have different layouts [{layout.describe()}] and "
+                    f"[{t._layout.describe()}]; reshard one (gather + shard) so both match"
+                )
+    assert layout is not None
+    return layout
+
+
+def localize(func: Callable, t: Any, layout: Layout) -> Any:
+    """A replicated operand as this rank sees it next to ``layout``: size 1 along a sharded dim
+    broadcasts; the full global size is cut to this rank's part; anything else is an error."""
+    if not isinstance(t, torch.Tensor) or isinstance(t, SpatialTensor):
+        return t
     try:
-        if key in _CHECKED:
-            return
-    except TypeError:  # an unhashable argument: check every time
-        key = None
-    func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
-    if key is not None:
-        if len(_CHECKED) > 4096:
-            _CHECKED.clear()
-        _CHECKED.add(key)
-
-
-_CHECKED: set = set()
-
-
-def _meta(t):
-    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t  # global shape
-
-
-def _signature(value):
-    """What a meta call's outcome depends on: tensors' global shapes and dtypes, and the other arguments."""
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape), value.dtype
-    if isinstance(value, (list, tuple)):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _signature(v)) for k, v in value.items())
-    return value
+        cut = layout.cut_for(t.shape)
+    except LayoutError as e:
+        raise LayoutError(f"{name_of(func)}: {e}") from None
+    return t if cut is None else cut.take_local(t)

@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from ..collectives import MAX, across_detached
+from ..fallback import fallback
 from ..layout import Layout
-from ..tensor import SpatialTensor, adopt, fallback, gather, localize, unwrap, wrap
-from ._common import eager_backward, meta_check, moved_shards
+from ..tensor import SpatialTensor, adopt, gather, unwrap, wrap
+from ._common import eager_backward, localize, moved_shards
+from ._meta import meta_check
 
 
 def _along(layout: Layout | None, dim: int) -> bool:

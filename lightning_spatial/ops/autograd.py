@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from ..tensor import SpatialTensor, localize, unwrap, wrap
+from ..tensor import SpatialTensor, unwrap, wrap
+from ._common import localize
 
 _GRAD = torch.Tensor.grad.__get__
 

@@ -7,16 +7,15 @@ reach us as ``F.pad`` (that is how ``nn.Conv2d`` applies them), handled in ``ops
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from ..layout import Layout, conv_out_size, conv_window, transposed_window
+from ..plans import planned
 from ..tensor import _dynamo_compiling, adopt, unwrap
 from ._binding import bound
 from ._common import (
-    AsGiven,
     Windows,
     local_padding,
     ntuple,
@@ -24,9 +23,9 @@ from ._common import (
     output_rows,
     output_sizes,
     require_replicated,
-    saved_as_recipe,
     spatial_shards,
 )
+from ._recipes import saved_as_recipe
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -67,10 +66,13 @@ class _ConvPlan:
     dilation: tuple[int, ...]
 
 
-@lru_cache(maxsize=1024)
-def _conv_plan(op, nd, layout: Layout, shards, kernel, stride, dilation, padding) -> _ConvPlan:
-    """Windows and local padding of one convolution call, built once per layout and arguments."""
-    shards = dict(shards)
+@planned(maxsize=1024)
+def _conv_plan(op, nd, layout: Layout, kernel, stride, padding, dilation) -> _ConvPlan:
+    """Windows and local padding of one convolution call, built once per layout and arguments as given
+    (``stride=1`` and ``stride=(1, 1)`` apart)."""
+    stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
+    padding = padding if isinstance(padding, str) else ntuple(padding, nd, "padding")
+    shards = spatial_shards(op, layout, nd)
     lo, hi = _conv_padding(padding, kernel, stride, dilation, nd, op)
     out_sizes = output_sizes(
         op, shards, lambda i, s: conv_out_size(s.size, kernel[i], stride[i], lo[i], hi[i], dilation[i])
@@ -89,20 +91,11 @@ def _conv_plan(op, nd, layout: Layout, shards, kernel, stride, dilation, padding
 
 def _convolution(nd: int):
     op = f"conv{nd}d"
-    plans = AsGiven()
 
     def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         x, layout = unwrap(input)
         require_replicated(op, weight, bias)
-        given = (layout, weight.shape, stride, padding, dilation)
-        plan = plans.find(given)
-        if plan is None:
-            stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
-            padding = padding if isinstance(padding, str) else ntuple(padding, nd, "padding")
-            shards = tuple(spatial_shards(op, x, layout, nd).items())
-            plan = plans.keep(
-                given, _conv_plan(op, nd, layout, shards, tuple(weight.shape[2:]), stride, dilation, padding)
-            )
+        plan = _conv_plan(op, nd, layout, tuple(weight.shape[2:]), stride, padding, dilation)
         stride, dilation = plan.stride, plan.dilation
         x = autocast_input(x)
         if plan.local:
@@ -129,7 +122,7 @@ def _transposed(nd: int):
         kernel = tuple(weight.shape[2:])
         stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
         padding, output_padding = ntuple(padding, nd, "padding"), ntuple(output_padding, nd, "output_padding")
-        shards = spatial_shards(op, x, layout, nd)
+        shards = spatial_shards(op, layout, nd)
         for i in shards:
             if output_padding[i] >= max(stride[i], dilation[i]):
                 raise ValueError(f"{op}: output_padding {output_padding[i]} must be smaller than stride or dilation")

@@ -14,19 +14,9 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from ..tensor import (
-    SpatialTensor,
-    _dynamo_compiling,
-    _Plain,
-    adopt,
-    common_layout,
-    fallback,
-    is_inplace,
-    localize,
-    on_shard,
-    unwrap,
-    wrap,
-)
+from ..fallback import fallback, is_inplace
+from ..tensor import SpatialTensor, _dynamo_compiling, _Plain, adopt, on_shard, unwrap, wrap
+from ._common import common_layout, localize
 
 
 def _pointwise_names() -> set[str]:
@@ -127,7 +117,6 @@ LAYOUT_PRESERVING: frozenset[Callable] = frozenset(
             "polar",
             "zero_",
             "fill_",
-            "copy_",
             "requires_grad_",
             "zeros_like",
             "ones_like",
@@ -148,29 +137,17 @@ def elementwise(func: Callable) -> Callable:
     inplace = is_inplace(func)
 
     def run(*args, **kwargs):
-        if not 0 < len(args) <= 2 or type(args[0]) is not SpatialTensor or _dynamo_compiling():
-            return general(args, kwargs)
-        if kwargs:  # options (``approximate=``, ``inplace=``, ``alpha=``) need no localizing
-            for value in kwargs.values():
-                if isinstance(value, torch.Tensor):
-                    return general(args, kwargs)
-        # the common cases of eager code, on the host path of every activation: ``gelu(x)`` (``nn.GELU`` passes
-        # ``approximate=``), ``x + y``, ``x * scale``
-        layout = args[0]._layout
-        if len(args) == 2:
-            other = args[1]
-            if type(other) is SpatialTensor:
-                if other._layout is not layout and other._layout != layout:
-                    common_layout(func, args)  # raises, naming both layouts
-            elif isinstance(other, torch.Tensor):
-                args = (args[0], localize(func, other, layout))
-        with _Plain():
-            out = func(*args, **kwargs) if kwargs else func(*args)
-        if type(out) is torch.Tensor and out is not args[-1]:  # computed here (not a replicated operand returned)
-            out.__class__ = SpatialTensor  # ``adopt`` without its checks
-            out._layout = layout
-            return out
-        return _result(out, args, layout)
+        # The common calls of eager code, on the host path of every activation: one or two positional operands, the
+        # first a shard, options by keyword (``gelu(x)``, ``nn.GELU``'s ``approximate=``, ``x + y``, ``x * scale``).
+        if 0 < len(args) <= 2 and type(args[0]) is SpatialTensor and not _dynamo_compiling():
+            if not kwargs or not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+                layout = args[0]._layout
+                if len(args) == 2:
+                    args = (args[0], _beside(func, args[0], args[1]))
+                with _Plain():
+                    out = func(*args, **kwargs) if kwargs else func(*args)
+                return _result(out, args, layout)
+        return general(args, kwargs)
 
     def general(args, kwargs):
         if (inplace and not isinstance(args[0], SpatialTensor)) or (
@@ -184,6 +161,16 @@ def elementwise(func: Callable) -> Callable:
         return _result(on_shard(func, *args, **kwargs), args, layout)
 
     return run
+
+
+def _beside(func: Callable, first: SpatialTensor, other):
+    """The second operand as this rank sees it next to the shard ``first``."""
+    layout = first._layout
+    if type(other) is SpatialTensor:
+        if other._layout is not layout and other._layout != layout:
+            common_layout(func, (first, other))  # raises, naming both layouts
+        return other
+    return localize(func, other, layout) if isinstance(other, torch.Tensor) else other
 
 
 def _result(out, operands, layout):
@@ -221,8 +208,37 @@ def _conversion(func: Callable) -> Callable:
     return convert
 
 
+_copy = elementwise(torch.Tensor.copy_)
+
+
+def copy(target, src, non_blocking: bool = False):
+    """``target.copy_(src)`` is element-wise (a replicated ``src`` broadcast or cut to this rank's part), and a plain
+    ``src`` of exactly the shard's shape, where that is not the target's global shape, is written into the shard as
+    it is: that is how aot_autograd's runtime hands a compiled graph's result back to a shard the graph mutated
+    (torch 2.11 does it outside the graph). Single-device code cannot give such a source: its size would not
+    broadcast to the global shape."""
+    if type(target) is SpatialTensor and type(src) is torch.Tensor:
+        with _Plain():
+            local = target.shape
+        if src.shape == local and local != target.shape:
+            return on_shard(torch.Tensor.copy_, target, src, non_blocking)
+    return _copy(target, src, non_blocking)
+
+
+def on_the_storage(func: Callable) -> Callable:
+    """``set_``/``as_strided_`` act on the shard's own storage and sizes (aot_autograd's runtime sets a shard's
+    metadata so after a compiled graph changed it); the layout stays."""
+
+    def run(input, *args, **kwargs):
+        return on_shard(func, input, *args, **kwargs)
+
+    return run
+
+
 def _registrations() -> dict:
     handlers = {f: elementwise(f) for f in POINTWISE | LAYOUT_PRESERVING}
+    handlers[torch.Tensor.copy_] = copy
+    handlers.update({f: on_the_storage(f) for f in (torch.Tensor.set_, torch.Tensor.as_strided_)})
     handlers[torch.where] = handlers[torch.Tensor.where] = where
     handlers.update({f: _conversion(f) for f in (torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.type)})
     return handlers

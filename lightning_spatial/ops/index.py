@@ -25,9 +25,11 @@ from dataclasses import replace
 import torch
 
 from ..collectives import MAX, MIN, across, across_detached
+from ..fallback import fallback
 from ..layout import Layout
-from ..tensor import SpatialTensor, fallback, localize, on_shard, unwrap, wrap
-from ._common import layout_of, meta_check, moved_shards, negative_dim, split_shards
+from ..tensor import SpatialTensor, on_shard, unwrap, wrap
+from ._common import layout_of, localize, moved_shards, negative_dim, split_shards
+from ._meta import meta_check
 
 
 def _part(func, t, layout: Layout | None):

@@ -19,8 +19,9 @@ from torch.nn._reduction import get_enum, legacy_get_string
 
 from ..collectives import across
 from ..layout import LayoutError
-from ..tensor import SpatialTensor, adopt, common_layout, localize, unwrap
+from ..tensor import SpatialTensor, adopt, unwrap
 from ._binding import bound
+from ._common import common_layout, localize
 
 
 def _weighted_count(target: torch.Tensor, weight, ignore_index: int, logits: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 
 from ..collectives import across
+from ..fallback import fallback, name_of
 from ..layout import DimShard, Layout, LayoutError
-from ..tensor import adopt, fallback, name_of, unwrap
-from ._common import meta_check, moved_shards
+from ..tensor import adopt, unwrap
+from ._common import moved_shards
+from ._meta import meta_check
 
 
 def _align(func, local: torch.Tensor, layout: Layout | None, want: tuple[DimShard, ...]) -> torch.Tensor:

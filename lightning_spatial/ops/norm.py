@@ -7,37 +7,21 @@ BatchNorm's running statistics
 are updated from the global batch statistics exactly as one device would (unbiased variance with the
 global count); eval mode uses the running statistics locally. BatchNorm statistics span the spatial group
 only: the data-parallel group joins only when the user asked for SyncBatchNorm (``Trainer(sync_batchnorm=True)``,
-which the strategy routes here by entering ``batch_norm_over(data_axis)``; it assumes equal batch sizes per
-replica).
+which the strategy routes here through its run's ``data_axis``; it assumes equal batch sizes per replica).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+from .. import run
 from ..collectives import across_detached
-from ..layout import Axis
-from ..tensor import _dynamo_compiling, adopt, localize, on_shard, unwrap
+from ..tensor import _dynamo_compiling, adopt, on_shard, unwrap
 from ._binding import bound
-from ._common import eager_backward, spatial_shards
-
-_DATA_AXIS: list[Axis | None] = [None]  # the innermost batch_norm_over's axis (a list: dynamo reads and guards it)
-
-
-@contextmanager
-def batch_norm_over(axis: Axis | None) -> Iterator[None]:
-    """While entered, training-mode batch_norm also reduces its statistics over ``axis`` (SyncBatchNorm's
-    data axis); ``None`` keeps them within the spatial group."""
-    outer, _DATA_AXIS[0] = _DATA_AXIS[0], axis
-    try:
-        yield
-    finally:
-        _DATA_AXIS[0] = outer
+from ._common import eager_backward, localize, spatial_shards
 
 
 class _Normalize(torch.autograd.Function):
@@ -89,12 +73,12 @@ def _channel(param, ndim: int):
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     x, layout = unwrap(input)
-    shards = list(spatial_shards("batch_norm", x, layout, x.dim() - 2).values())
+    shards = list(spatial_shards("batch_norm", layout, x.dim() - 2).values())
     if not training and running_mean is not None:
         return adopt(F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(d - x.dim() for d in range(x.dim()) if d != 1)
     count = math.prod([layout.global_shape(x)[d] for d in dims])
-    data_axis = _DATA_AXIS[0]
+    data_axis = run.current().data_axis
     if data_axis is not None:
         shards, count = [*shards, data_axis], count * data_axis.size
     if count <= 1:
@@ -111,7 +95,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     x, layout = unwrap(input)
-    shards = list(spatial_shards("group_norm", x, layout, x.dim() - 2).values())
+    shards = list(spatial_shards("group_norm", layout, x.dim() - 2).values())
     n, c = x.shape[:2]
     grouped = x.reshape(n, num_groups, c // num_groups, *x.shape[2:])  # sharded dims keep their negative index
     dims = tuple(range(-(grouped.dim() - 2), 0))
@@ -126,7 +110,7 @@ def instance_norm(
     input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True, momentum=0.1, eps=1e-5
 ):
     x, layout = unwrap(input)
-    shards = list(spatial_shards("instance_norm", x, layout, x.dim() - 2).values())
+    shards = list(spatial_shards("instance_norm", layout, x.dim() - 2).values())
     if not use_input_stats:
         return adopt(F.instance_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), layout)
     dims = tuple(range(-(x.dim() - 2), 0))
@@ -166,4 +150,4 @@ HANDLERS = (
     | bound(layer_norm, F.layer_norm)
 )
 
-__all__ = ["HANDLERS", "batch_norm_over"]
+__all__ = ["HANDLERS"]

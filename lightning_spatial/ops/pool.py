@@ -12,26 +12,20 @@ Max-pool indices are global flat indices into the input plane, as on one device.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..collectives import MAX, MIN, across_detached, all_reduce
 from ..halo import fetch_window
-from ..layout import DimShard, adaptive_bins, conv_window, partition, pool_out_size
+from ..layout import DimShard, Layout, adaptive_bins, conv_window, partition, pool_out_size
+from ..plans import planned
 from ..tensor import adopt, unwrap
 from ._binding import bound
-from ._common import (
-    Windows,
-    local_padding,
-    ntuple,
-    output_layout,
-    output_rows,
-    output_sizes,
-    saved_as_recipe,
-    spatial_shards,
-)
+from ._common import Windows, local_padding, ntuple, output_layout, output_rows, output_sizes, spatial_shards
+from ._recipes import saved_as_recipe
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
@@ -61,39 +55,63 @@ def _globalize(indices: torch.Tensor, local_sizes, offsets, global_sizes) -> tor
     return _flat_index(coords, list(global_sizes))
 
 
+@dataclass(frozen=True)
+class _PoolPlan:
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    shards: Mapping[int, DimShard]
+    out_sizes: dict[int, int]  # global output size of each sharded spatial dim
+    windows: Windows
+    local_padding: tuple[int, ...]  # the local pool's: none along sharded dims
+    layout: Layout | None  # the output's
+
+
+@planned(maxsize=1024)
+def _pool_plan(op: str, nd: int, layout: Layout, kernel_size, stride, padding, dilation, ceil_mode) -> _PoolPlan:
+    """A sliding pool's windows and output layout, by its arguments as given."""
+    kernel = ntuple(kernel_size, nd, "kernel_size")
+    stride = ntuple(stride if stride not in (None, [], ()) else kernel_size, nd, "stride")
+    padding, dilation = ntuple(padding, nd, "padding"), ntuple(dilation, nd, "dilation")
+    shards = spatial_shards(op, layout, nd)
+    checked = range(nd) if op.startswith("avg") else shards  # max pools: torch checks the other dims itself
+    _check_pad(op, [kernel[i] for i in checked], [padding[i] for i in checked])
+    out_sizes = output_sizes(
+        op, shards, lambda i, s: pool_out_size(s.size, kernel[i], stride[i], padding[i], dilation[i], ceil_mode)
+    )
+    windows = Windows.plan(
+        shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], padding[i], dilation[i])
+    )
+    local = tuple(local_padding(padding, shards))
+    return _PoolPlan(
+        kernel, stride, padding, dilation, shards, out_sizes, windows, local, output_layout(layout, shards, out_sizes)
+    )
+
+
 def _max_pool(nd: int):
     op = f"max_pool{nd}d"
 
     def max_pool(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
         x, layout = unwrap(input)
-        kernel = ntuple(kernel_size, nd, "kernel_size")
-        stride = ntuple(stride if stride not in (None, [], ()) else kernel_size, nd, "stride")
-        padding, dilation = ntuple(padding, nd, "padding"), ntuple(dilation, nd, "dilation")
-        shards = spatial_shards(op, x, layout, nd)
-        _check_pad(op, [kernel[i] for i in shards], [padding[i] for i in shards])
-        out_sizes = output_sizes(
-            op, shards, lambda i, s: pool_out_size(s.size, kernel[i], stride[i], padding[i], dilation[i], ceil_mode)
-        )
-        windows = Windows.plan(
-            shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], padding[i], dilation[i])
-        )
-        xw = windows.fetch(x, fill=-math.inf)
-        local_pad = local_padding(padding, shards)
-        with saved_as_recipe(xw, x, lambda: windows.fetch(x, fill=-math.inf)):
-            out, indices = _MAX[nd](xw, kernel, stride, local_pad, dilation, ceil_mode, return_indices=True)
-        out_layout = output_layout(layout, shards, out_sizes)
+        plan = _pool_plan(op, nd, layout, kernel_size, stride, padding, dilation, ceil_mode)
+        xw = plan.windows.fetch(x, fill=-math.inf)
+        with saved_as_recipe(xw, x, lambda: plan.windows.fetch(x, fill=-math.inf)):
+            out, indices = _MAX[nd](
+                xw, plan.kernel, plan.stride, plan.local_padding, plan.dilation, ceil_mode, return_indices=True
+            )
         if not return_indices:
-            return adopt(out, out_layout)
-        offsets = [windows.start(i) if i in shards else 0 for i in range(nd)]
+            return adopt(out, plan.layout)
+        offsets = [plan.windows.start(i) if i in plan.shards else 0 for i in range(nd)]
         global_sizes = layout.global_shape(x)[-nd:]
         indices = _globalize(indices, xw.shape[-nd:], offsets, global_sizes)
-        return adopt(out, out_layout), adopt(indices, out_layout)
+        return adopt(out, plan.layout), adopt(indices, plan.layout)
 
     max_pool.__name__ = op
     return max_pool
 
 
-@lru_cache(maxsize=1024)
+@planned(maxsize=1024)
 def _divisor(n: int, lo: int, hi: int, kernel: int, stride: int, padding: int, include_pad: bool, dtype, device):
     """torch's average-pool divisor for output rows ``[lo, hi)`` of one dim (built once per device)."""
     counts = []
@@ -111,31 +129,24 @@ def _avg_pool(nd: int):
         input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None
     ):
         x, layout = unwrap(input)
-        kernel = ntuple(kernel_size, nd, "kernel_size")
-        stride = ntuple(stride if stride not in (None, [], ()) else kernel_size, nd, "stride")
-        padding = ntuple(padding, nd, "padding")
-        shards = spatial_shards(op, x, layout, nd)
-        _check_pad(op, kernel, padding)
+        plan = _pool_plan(op, nd, layout, kernel_size, stride, padding, 1, ceil_mode)
+        kernel, stride, padding = plan.kernel, plan.stride, plan.padding
         global_sizes = layout.global_shape(x)[-nd:]
-        out_sizes = output_sizes(
-            op, shards, lambda i, s: pool_out_size(s.size, kernel[i], stride[i], padding[i], 1, ceil_mode)
-        )
-        windows = Windows.plan(shards, out_sizes, lambda i, a, b: conv_window(a, b, kernel[i], stride[i], padding[i]))
-        xw = windows.fetch(x)
-        local_pad = local_padding(padding, shards)
+        xw = plan.windows.fetch(x)
         if nd == 1:  # avg_pool1d has no divisor_override: pool a (1, L) plane instead
             total = F.avg_pool2d(
-                xw.unsqueeze(-2), (1, *kernel), (1, *stride), (0, *local_pad), ceil_mode, True, 1
+                xw.unsqueeze(-2), (1, *kernel), (1, *stride), (0, *plan.local_padding), ceil_mode, True, 1
             ).squeeze(-2)
         else:
             pool = F.avg_pool2d if nd == 2 else F.avg_pool3d
-            total = pool(xw, kernel, stride, local_pad, ceil_mode, True, 1)
+            total = pool(xw, kernel, stride, plan.local_padding, ceil_mode, True, 1)
         if divisor_override:
             out = total / divisor_override
         else:
             divisor = None
             for i in range(nd):
-                lo, hi = output_rows(shards[i], out_sizes[i]) if i in shards else (0, total.shape[i - nd])
+                shard = plan.shards.get(i)
+                lo, hi = output_rows(shard, plan.out_sizes[i]) if shard else (0, total.shape[i - nd])
                 d = _divisor(
                     global_sizes[i],
                     lo,
@@ -150,7 +161,7 @@ def _avg_pool(nd: int):
                 d = d.view(-1, *([1] * (nd - 1 - i)))
                 divisor = d if divisor is None else divisor * d
             out = total / divisor
-        return adopt(out, output_layout(layout, shards, out_sizes))
+        return adopt(out, plan.layout)
 
     avg_pool.__name__ = op
     return avg_pool
@@ -163,7 +174,7 @@ def _output_sizes(output_size, global_sizes, nd: int) -> list[int]:
     return [n if m is None else int(m) for m, n in zip(sizes, global_sizes)]
 
 
-@lru_cache(maxsize=1024)
+@planned(maxsize=1024)
 def _bins_here(n: int, m: int, parts: int, index: int) -> tuple[tuple[tuple[int, int], ...], tuple | None, bool]:
     """(bins this rank computes, clipped to the rows it holds; every rank's window or None; partial?).
 
@@ -188,7 +199,7 @@ def _rows_for_bins(y: torch.Tensor, s: DimShard, m: int, *extra: torch.Tensor | 
     return fetch_window(y, s, windows), extra, bins, windows[s.axis.index][0], False
 
 
-@lru_cache(maxsize=1024)
+@planned(maxsize=1024)
 def _bin_weights(n: int, m: int, parts: int, index: int, length: int, dtype, device) -> torch.Tensor:
     """Averaging matrix (bins x rows held) for one dim, built once per device."""
     bins, windows, partial = _bins_here(n, m, parts, index)
@@ -238,7 +249,7 @@ def adaptive_pool(nd: int, kind: str):
 
     def adaptive(input, output_size, return_indices=False):
         x, layout = unwrap(input)
-        shards = spatial_shards(op, x, layout, nd)
+        shards = spatial_shards(op, layout, nd)
         global_sizes = layout.global_shape(x)[-nd:]
         sizes = _output_sizes(output_size, global_sizes, nd)
         local_target = [x.shape[i - nd] if i in shards else sizes[i] for i in range(nd)]

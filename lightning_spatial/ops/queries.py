@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..fallback import name_of
 from ..layout import LayoutError
-from ..tensor import name_of, unwrap, wrap
+from ..tensor import unwrap, wrap
 from .elementwise import functions
 
 

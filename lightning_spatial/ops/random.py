@@ -16,8 +16,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..fallback import fallback
 from ..halo import empty_as
-from ..tensor import fallback, unwrap, wrap
+from ..tensor import unwrap, wrap
 from ._binding import bound
 
 

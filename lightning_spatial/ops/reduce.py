@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from ..collectives import MAX, MIN, across, across_detached
+from ..fallback import fallback
 from ..layout import Layout
-from ..tensor import SpatialTensor, adopt, fallback, localize, unwrap
+from ..tensor import SpatialTensor, adopt, unwrap
 from ._binding import bound
+from ._common import localize
 from .elementwise import elementwise
 from .select import select
 

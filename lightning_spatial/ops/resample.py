@@ -10,13 +10,13 @@ average pooling.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from ..halo import fetch_window
 from ..layout import DimShard, partition
+from ..plans import planned
 from ..tensor import unwrap, wrap
 from ._binding import bound
 from ._common import check_output_size, output_layout, spatial_shards
@@ -44,7 +44,7 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@lru_cache(maxsize=256)
+@planned(maxsize=256)
 def taps(mode: str, n: int, out: int, align_corners: bool, scale_factor: float | None, wide=torch.float32):
     """(source rows, weights), each ``out x k``: output row o = sum_j weight[o, j] * input[row[o, j]], with
     coordinates computed in ``wide`` (``_accumulation`` of the input's dtype)."""
@@ -77,14 +77,14 @@ def taps(mode: str, n: int, out: int, align_corners: bool, scale_factor: float |
     return torch.stack([first, second], -1), torch.stack([1 - lam, lam], -1)
 
 
-@lru_cache(maxsize=256)
+@planned(maxsize=256)
 def _windows(mode, n, out, align_corners, scale_factor, wide, parts) -> tuple[tuple[int, int], ...]:
     """Every rank's window of source rows: the rows its output rows' taps read."""
     rows, _ = taps(mode, n, out, align_corners, scale_factor, wide)
     return tuple((int(rows[lo:hi].min()), int(rows[lo:hi].max()) + 1) for lo, hi in partition(out, parts))
 
 
-@lru_cache(maxsize=256)
+@planned(maxsize=256)
 def _local_taps(mode, n, out, align_corners, scale_factor, wide, parts, index, dtype, device):
     """This rank's taps (rows relative to its window, weights) on the device, built once."""
     rows, weights = taps(mode, n, out, align_corners, scale_factor, wide)
@@ -118,7 +118,7 @@ def interpolate(
         return adaptive_pool(nd, "avg")(input, _out_sizes(layout.global_shape(x)[2:], size, scale_factor))
     if mode not in _MODES:
         raise ValueError(f"interpolate: mode {mode!r} is not supported on sharded tensors")
-    shards = spatial_shards(f"interpolate({mode})", x, layout, nd)
+    shards = spatial_shards(f"interpolate({mode})", layout, nd)
     global_in = layout.global_shape(x)[2:]
     out_sizes = _out_sizes(global_in, size, scale_factor)
     for i, s in shards.items():

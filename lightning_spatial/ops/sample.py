@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..collectives import all_reduce
-from ..tensor import fallback, unwrap
+from ..fallback import fallback
+from ..tensor import unwrap
 from ._common import eager_backward, spatial_shards
 
 _MODES = ("bilinear", "nearest", "bicubic")  # torch's enum order (torch.grid_sampler's interpolation_mode)
@@ -85,7 +86,7 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
 def _shard_taps(x, layout, grid, mode: str, padding: str, align: bool):
     """Every grid point's taps in this rank's shard as (N, taps, points) flat local indices and weights."""
     nd = x.dim() - 2
-    shards = spatial_shards("grid_sample", x, layout, nd)
+    shards = spatial_shards("grid_sample", layout, nd)
     points = grid.reshape(grid.shape[0], -1, nd)  # (N, Q, nd); coordinate 0 is along the last dim
     per_dim = []
     for i, n in enumerate(layout.global_shape(x)[2:]):

@@ -17,7 +17,8 @@ import torch
 
 from ..collectives import all_gather
 from ..tensor import gather, unwrap, wrap
-from ._common import layout_of, meta_check, negative_dim, split_shards
+from ._common import layout_of, negative_dim, split_shards
+from ._meta import meta_check
 
 
 def select(input, k: int, dim: int, largest: bool):

@@ -11,16 +11,18 @@ into tokens (``x.flatten(2)``) and splitting them back (``view(B, C, h, w)``) ar
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from ..collectives import MAX, across_detached
-from ..layout import UNSEEN, DimShard, Layout, LayoutError
-from ..tensor import SpatialTensor, adopt, fallback, localize, on_shard, unwrap
-from ._binding import bound, raise_torch_error
-from ._common import require_replicated
+from ..fallback import fallback
+from ..layout import DimShard, Layout, LayoutError
+from ..plans import planned
+from ..tensor import SpatialTensor, adopt, on_shard, unwrap
+from ._binding import bound
+from ._common import localize, require_replicated
+from ._meta import raise_torch_error
 
 
 def _sizes(shape) -> tuple:
@@ -42,7 +44,7 @@ def track(layout: Layout, global_in, global_out) -> Layout | None:
     return _track(layout, tuple(global_in), tuple(global_out))
 
 
-@lru_cache(maxsize=4096)
+@planned
 def _track(layout: Layout, global_in: tuple, global_out: tuple) -> Layout | None:
     shards = []
     for s in layout.shards:
@@ -94,18 +96,15 @@ def _permute_op(func):
     def permute(input, *args, **kwargs):
         out = on_shard(func, input, *args, **kwargs)
         call = (args, ())
-        if kwargs or (args and type(args[0]) is not int):  # dims as lists: tuples, to key the memo
+        if kwargs or (args and type(args[0]) is not int):  # dims as lists: tuples, to key the plan
             call = _freeze((args, tuple(sorted(kwargs.items()))))
-        layout, key = input._layout, ("permute", func, out.dim(), call)
-        moved = layout.memo.get(key, UNSEEN)
-        if moved is UNSEEN:
-            moved = layout.remember(key, _moved(func, layout, *key[2:]))
-        return adopt(out, moved)
+        return adopt(out, _moved(input._layout, func, out.dim(), call))
 
     return permute
 
 
-def _moved(func, layout: Layout, ndim: int, call: tuple) -> Layout:
+@planned(per_layout=True, maxsize=256)
+def _moved(layout: Layout, func, ndim: int, call: tuple) -> Layout:
     """``layout`` after ``func`` permutes the dims (asked once per layout and call signature: no probe every step)."""
     args, kwargs = call
     probe = torch.empty(list(range(2, 2 + ndim)), device="meta")  # distinct sizes reveal the permutation

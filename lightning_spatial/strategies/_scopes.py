@@ -1,61 +1,77 @@
 """What ``SpatialParallelStrategy`` changes for the length of a run (``setup`` to ``teardown``), each undone after.
 
-- ``metrics_sync_over``: torchmetrics sync over the data axis: every rank of a spatial group saw the same
+- ``MetricsOverData``: the run's torchmetrics sync over the data axis: every rank of a spatial group saw the same
   samples, so a world-wide sync would count each of them once per spatial rank.
-- ``named_modules``: module paths by ``id(module)``, so a fallback or a layout error names the layer it
-  happened in (``tensor.module_names``).
+- ``module_paths``: module paths by ``id(module)`` for the run (``Run.module_names``), so a fallback or a layout
+  error names the layer it happened in.
 - ``naming_the_layer``: a ``LayoutError`` raised inside a module's ``forward`` says which module.
 - ``graphed``: named submodules replay their training forward and backward as CUDA graphs (``CUDAGraphed``).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 
 import torch
+from torchmetrics import Metric
 
-from ..graphs import CUDAGraphed, forget_bucket_views
+from ..graphs import CUDAGraphed
 from ..layout import LayoutError
-from ..tensor import module_names
+from ..run import current
 
 
-@contextmanager
-def metrics_sync_over(group) -> Iterator[None]:
-    """Every ``torchmetrics.Metric`` syncs over ``group`` unless the call or the metric names a process group.
+class MetricsOverData:
+    """Every ``torchmetrics.Metric`` of a LightningModule syncs over ``group`` for the run, through the metric's own
+    ``process_group`` (torchmetrics' documented setting), unless the metric names one itself.
 
-    Patching ``Metric.sync`` reaches metrics created at any time (in ``setup``, in a step, on epoch start)
-    and kept anywhere (a plain dict, a list), which a walk over ``named_modules`` at setup would miss; every
-    sync path (``compute``, ``forward`` with ``dist_sync_on_step``, Lightning's logging, metrics that override
-    ``_sync_dist`` such as ``MeanAveragePrecision``) goes through it.
+    ``claim`` finds the module's metrics wherever a user keeps them (submodules, plain dicts, lists and tuples of
+    any module's attributes) and is called at setup and at the first step of every epoch of every stage, so
+    metrics created in ``setup``, ``on_*_start`` or a first step are claimed too; a metric created later (after an
+    epoch's first step) syncs over the world unless created with ``process_group=trainer.strategy.data_group``.
+    ``release`` gives every claimed metric its own setting back.
     """
-    from torchmetrics import Metric
 
-    original = Metric.sync
+    def __init__(self, group) -> None:
+        self.group = group
+        self.claimed: dict[int, tuple[Metric, object]] = {}  # id -> (metric, its own process_group)
 
-    @functools.wraps(original)
-    def sync(self, dist_sync_fn=None, process_group=None, *args, **kwargs):
-        return original(self, dist_sync_fn, process_group or self.process_group or group, *args, **kwargs)
+    def claim(self, root: torch.nn.Module) -> None:
+        for metric in _metrics(root):
+            if id(metric) not in self.claimed and metric.process_group is None:
+                self.claimed[id(metric)] = (metric, metric.process_group)
+                metric.process_group = self.group
 
-    Metric.sync = sync
-    try:
-        yield
-    finally:
-        Metric.sync = original
+    def release(self) -> None:
+        for metric, own in self.claimed.values():
+            metric.process_group = own
+        self.claimed.clear()
 
 
-@contextmanager
-def named_modules(root: torch.nn.Module) -> Iterator[None]:
-    """Register the paths of ``root``'s submodules (``model.stem.conv``) for messages; the root itself is unnamed."""
-    names = {id(module): name for name, module in root.named_modules() if name}
-    module_names.update(names)
-    try:
-        yield
-    finally:
-        for key in names:
-            module_names.pop(key, None)
+def _metrics(root: torch.nn.Module) -> Iterator[Metric]:
+    """The metrics among ``root``'s submodules and in the containers its modules hold as attributes."""
+    seen: set[int] = set()
+    stack: list = [root]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, Metric):
+            yield value
+        if isinstance(value, torch.nn.Module):
+            stack.extend(value._modules.values())
+            stack.extend(v for v in vars(value).values() if isinstance(v, (dict, list, tuple)))
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+
+
+def module_paths(root: torch.nn.Module) -> dict[int, str]:
+    """The paths of ``root``'s submodules (``model.stem.conv``) by ``id``; the root itself is unnamed."""
+    return {id(module): name for name, module in root.named_modules() if name}
 
 
 @contextmanager
@@ -75,8 +91,9 @@ def _innermost_module(tb: TracebackType | None) -> tuple[str, str] | None:
     found = None
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, torch.nn.Module) and id(owner) in module_names:
-            found = (module_names[id(owner)], type(owner).__name__)
+        names = current().module_names
+        if isinstance(owner, torch.nn.Module) and id(owner) in names:
+            found = (names[id(owner)], type(owner).__name__)
         tb = tb.tb_next
     return found
 
@@ -106,7 +123,6 @@ def graphed(root: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
     finally:
         for parent, attr, module in reversed(swapped):
             setattr(parent, attr, module)
-            forget_bucket_views(module)
 
 
-__all__ = ["graphed", "metrics_sync_over", "named_modules", "naming_the_layer"]
+__all__ = ["MetricsOverData", "graphed", "module_paths", "naming_the_layer"]

@@ -20,8 +20,11 @@ from contextlib import ExitStack
 from functools import partial
 from typing import Any, Literal
 
+import lightning as L
 import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed import ReduceOp
 from typing_extensions import override
@@ -189,7 +192,7 @@ class HorovodStrategy(ParallelStrategy):
                 module.distributed_available_fn = lambda: self.world_size > 1
 
     @override
-    def setup(self, trainer) -> None:
+    def setup(self, trainer: L.Trainer) -> None:
         self.model_to_device()
         super().setup(trainer)
         self._sync_metrics_through_horovod()
@@ -267,11 +270,11 @@ class HorovodStrategy(ParallelStrategy):
         self.hvd.join()
 
     @override
-    def broadcast(self, obj, src: int = 0):
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         return self.hvd.broadcast_object(obj, root_rank=src)
 
     @override
-    def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean"):
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         if not isinstance(tensor, torch.Tensor):
             return tensor
         if group is not None:
@@ -307,7 +310,7 @@ class HorovodStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry) -> None:
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Data parallel training on Horovod")
 
 

@@ -22,8 +22,9 @@ The hooks, each small:
 - ``reduce``/``all_gather`` and torchmetrics sync over the data axis (spatial ranks hold the same values).
 - ``predict_step`` returns full tensors (sharded outputs gathered), one copy per spatial rank.
 - checkpoints: parameters and buffers are plain replicated tensors; rank 0 saves a standard checkpoint.
-- for the run (``setup`` to ``teardown``): the ``fallback`` mode, BatchNorm's data axis, module paths for
-  messages, torchmetrics' sync group, CUDA graphs of named submodules (``_scopes``).
+- for the run (``setup`` to ``teardown``), one ``run.Run`` the op layer reads: the ``fallback`` mode, BatchNorm's
+  data axis, module paths for messages, DDP's bucket views for replays; and the run's torchmetrics sync group and
+  CUDA graphs of named submodules (``_scopes``); all undone at ``teardown``, dynamo's ``optimize_ddp`` included.
 - ``torch.compile``d modules compile through the shards (``compiling``): halo exchanges and collectives are
   graph ops.
 """
@@ -32,17 +33,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
@@ -50,16 +54,17 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from .. import capture
 from .._arguments import integers
+from ..capture import Watch
 from ..graphs import noting_bucket_views
-from ..layout import Axis
-from ..mesh import SpatialDims, tiles
-from ..ops import norm
+from ..mesh import Axis, SpatialDims, tiles
 from ..plan import Plan, accumulation, describe_batches, make_plan, parse_budget
+from ..run import FallbackMode, Run, check_fallback_mode, entered
 from ..sharding import Select, ShardingCollate, describe
-from ..tensor import FallbackMode, SpatialTensor, fallback_mode, gather
+from ..tensor import SpatialTensor, gather
 from ._loaders import exact_mean, prepare_loader
-from ._scopes import graphed, metrics_sync_over, named_modules, naming_the_layer
+from ._scopes import MetricsOverData, graphed, module_paths, naming_the_layer
 
 
 class SpatialParallelStrategy(DDPStrategy):
@@ -86,10 +91,13 @@ class SpatialParallelStrategy(DDPStrategy):
             whose trailing two dims equal the image's (H, W) (``sharding.image_size`` says which is the image).
         fallback: an op without a spatial handler gathers its operands: ``"warn"`` once per op (default),
             ``"error"`` raises instead (naming the op, the module and the bytes), ``"silent"``.
-        cuda_graphs: submodules of the LightningModule (``["backbone"]``, as ``get_submodule`` names them) whose
-            training forward and backward replay as CUDA graphs after two eager steps (``graphs.CUDAGraphed``):
-            the op layer's host time out of a bf16 step; eager off CUDA and in validation; each new input shape
-            is captured after its own two steps (up to 4). Checkpoints keep the module's own names.
+        cuda_graphs: which submodules' training forward and backward replay as CUDA graphs after two eager calls
+            (``graphs.CUDAGraphed``): no per-op Python in the step. ``"auto"`` (default): on CUDA, the largest
+            submodules that run once a training step on image-sharded activations, found in the first step
+            (``capture``; the image encoders of camera models) and logged with the reasons for the rest; ``False``
+            (or ``[]``): none; a list of names (``["backbone"]``, as ``get_submodule`` names them). Eager off CUDA,
+            in validation and wherever a capture fails (with a warning); each new input shape is captured after its
+            own two calls (up to 4). Checkpoints keep the module's own names.
         ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: as for ``DDPStrategy`` (e.g. fp16 compression),
             registered on CPU and GPU; the hook averages over the world, and its result is scaled to the
             data-parallel mean (see the module docstring).
@@ -108,7 +116,7 @@ class SpatialParallelStrategy(DDPStrategy):
         global_batch_size: int | None = None,
         shard_select: Select | None = None,
         fallback: FallbackMode = "warn",
-        cuda_graphs: Sequence[str] = (),
+        cuda_graphs: Sequence[str] | Literal["auto"] | bool = "auto",
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -134,10 +142,11 @@ class SpatialParallelStrategy(DDPStrategy):
             )
         if global_batch_size is not None:
             integers(1, global_batch_size=global_batch_size)
-        if isinstance(cuda_graphs, str):
-            raise ValueError(f"cuda_graphs is a list of submodule names, got the string {cuda_graphs!r}")
-        if fallback not in ("warn", "error", "silent"):
-            raise ValueError(f"fallback must be 'warn', 'error' or 'silent', got {fallback!r}")
+        if (isinstance(cuda_graphs, str) and cuda_graphs != "auto") or cuda_graphs is True:
+            raise ValueError(
+                f"cuda_graphs must be 'auto' (the default), False, or a list of submodule names, got {cuda_graphs!r}"
+            )
+        check_fallback_mode(fallback)
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no second copy of the gradients
         super().__init__(  # the comm hook is ours to register (DDPStrategy would do it on CUDA only, unscaled)
             accelerator=accelerator,
@@ -157,14 +166,19 @@ class SpatialParallelStrategy(DDPStrategy):
         self._shard_dim = shard_dim
         self._shard_select = shard_select
         self._fallback = fallback
-        self._cuda_graphs = tuple(cuda_graphs)
+        # "auto": chosen after watching the first training step (lightning_spatial.capture); names: wrapped at setup
+        self._auto_graphs = cuda_graphs == "auto"
+        self._cuda_graphs: tuple[str, ...] = () if self._auto_graphs or not cuda_graphs else tuple(cuda_graphs)
         self._user_comm_hook = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         self.dims: SpatialDims | None = None
         self.plan: Plan | None = None  # spatial_size="auto": the chosen layout with every candidate's estimate
         self.mesh = None
         self.axes: dict[int, Axis] = {}
         self._sync_batchnorm = False
-        self._run: ExitStack | None = None
+        self._run: ExitStack | None = None  # what setup entered, closed at teardown
+        self._metrics: MetricsOverData | None = None
+        self._watch: Watch | None = None  # cuda_graphs="auto": what the first training step shows
+        self._metrics_claimed_at: set[tuple] = set()  # (stage, epoch, before/after the first step) claimed
         self._in_process = False  # one rank, run in this process (no launcher): its process group ends with it
         self._group_to_close = False
         self._described = False
@@ -234,20 +248,25 @@ class SpatialParallelStrategy(DDPStrategy):
         return self._data_axis.group
 
     @override
-    def setup(self, trainer) -> None:
+    def setup(self, trainer: L.Trainer) -> None:
         if self._spatial_size == "auto":
             self._build(self._planned(trainer).dims)
         if self._layer_sync is not None and self.axes:  # SyncBatchNorm: our batch_norm also spans the data axis
             self._layer_sync, self._sync_batchnorm = None, True
         self._run = ExitStack()
-        self._run.enter_context(fallback_mode(self._fallback))
-        self._run.enter_context(
-            norm.batch_norm_over(self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None)
+        data_axis = self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None
+        # one rank with PyTorch's fake backend (benchmarks): messages never arrive, and received halos read as zeros
+        fake = dist.get_backend() == "fake"
+        state = self._run.enter_context(
+            entered(Run(fallback=self._fallback, data_axis=data_axis, zero_undelivered=fake))
         )
-        self._run.enter_context(metrics_sync_over(self.data_group))
+        self._metrics = MetricsOverData(self.data_group)
+        self._run.callback(self._metrics.release)
         self._run.enter_context(graphed(self.lightning_module, self._cuda_graphs))
+        self._watch = Watch(self.lightning_module) if self._auto_graphs and self.root_device.type == "cuda" else None
         super().setup(trainer)
-        self._run.enter_context(named_modules(self.lightning_module))
+        state.module_names.update(module_paths(self.lightning_module))
+        self._metrics.claim(self.lightning_module)
 
     def _planned(self, trainer) -> Plan:
         """A plan from the first training batch; ``validate``/``test``/``predict`` reuse this process's last one."""
@@ -290,6 +309,7 @@ class SpatialParallelStrategy(DDPStrategy):
         # A compiled module's graph is not split at DDP's buckets: AOT autograd fails on the split pieces when they
         # hold our messages (ordered effects; torch 2.14, docs/design.md). Gradients are then reduced after the
         # compiled backward rather than during it.
+        self._run.callback(setattr, torch._dynamo.config, "optimize_ddp", torch._dynamo.config.optimize_ddp)
         torch._dynamo.config.optimize_ddp = False
         gradients_laid_out_like_parameters(self.model)
         super().configure_ddp()
@@ -299,10 +319,13 @@ class SpatialParallelStrategy(DDPStrategy):
         else:
             hook = _scaled(wrapper(hook) if wrapper is not None else hook, self.dims.spatial_size)
         # replays (cuda_graphs) write their gradients straight into DDP's buckets
-        self.model.register_comm_hook(state, noting_bucket_views(hook) if self._cuda_graphs else hook)
+        replays = self._cuda_graphs or self._watch is not None
+        self.model.register_comm_hook(state, noting_bucket_views(hook) if replays else hook)
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         """Each of the ``S`` ranks of a spatial group seeds ``1/S`` of the replicated loss's gradient."""
         return super().backward(closure_loss / self.dims.spatial_size, optimizer, *args, **kwargs)
 
@@ -326,11 +349,16 @@ class SpatialParallelStrategy(DDPStrategy):
         return self.data_group if group is None or group is dist.group.WORLD else group
 
     @override
-    def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean"):
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         if not isinstance(tensor, torch.Tensor):
             return tensor
         tensor = gather(tensor) if isinstance(tensor, SpatialTensor) else tensor
         return _sync_ddp_if_available(exact_mean(tensor, reduce_op), self._over_data(group), reduce_op=reduce_op)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        """One rank with PyTorch's fake backend (``FakeRank``) receives nothing: its own object stands for rank 0's."""
+        return obj if dist.get_backend() == "fake" else super().broadcast(obj, src)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -346,31 +374,60 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with naming_the_layer():
-            return super().training_step(*args, **kwargs)
+        self._claim_metrics("before")
+        watch, self._watch = self._watch, None  # the first training step only (cuda_graphs="auto")
+        with naming_the_layer(), watch or nullcontext():
+            out = super().training_step(*args, **kwargs)
+        if watch is not None:
+            self._capture(capture.choose(self.lightning_module, watch.seen))
+        self._claim_metrics("after")
+        return out
+
+    def _capture(self, plan: tuple[list[str], dict[str, str]]) -> None:
+        """Wrap what ``cuda_graphs="auto"`` chose for the rest of the run, and say so once."""
+        chosen, left = plan
+        self._run.enter_context(graphed(self.lightning_module, chosen))
+        rank_zero_info(capture.describe(chosen, left))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._claim_metrics("before")
         with naming_the_layer():
-            return super().validation_step(*args, **kwargs)
+            out = super().validation_step(*args, **kwargs)
+        self._claim_metrics("after")
+        return out
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._claim_metrics("before")
         with naming_the_layer():
-            return super().test_step(*args, **kwargs)
+            out = super().test_step(*args, **kwargs)
+        self._claim_metrics("after")
+        return out
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Predictions as full tensors: sharded outputs are gathered (every spatial rank returns the same)."""
+        self._claim_metrics("before")
         with naming_the_layer():
             out = super().predict_step(*args, **kwargs)
+        self._claim_metrics("after")
         return tree_map(lambda t: gather(t).detach() if isinstance(t, SpatialTensor) else t, out)
+
+    def _claim_metrics(self, moment: str) -> None:
+        """Before and after the first step of every epoch of every stage: the metrics created since then."""
+        trainer = self.lightning_module.trainer
+        when = (trainer.state.stage, trainer.current_epoch, moment)
+        if self._metrics is not None and when not in self._metrics_claimed_at:
+            self._metrics_claimed_at.add(when)
+            self._metrics.claim(self.lightning_module)
 
     @override
     def teardown(self) -> None:
         if self._run is not None:
             self._run.close()
-            self._run = None
+            self._run, self._metrics = None, None
+            self._metrics_claimed_at.clear()
         super().teardown()
         if self._group_to_close:  # a later Trainer in this process may fork ranks of a larger world
             dist.destroy_process_group()
@@ -380,7 +437,7 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry) -> None:
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Spatial (height/width) x data parallel training"
         )
@@ -431,7 +488,7 @@ def _sum_then_divide(data_size, bucket):
     over each spatial group, averaged over the data replicas. (DDP checks a hook's annotations against the
     real classes, which ``from __future__ import annotations`` turns into strings: none here.)"""
     buffer = bucket.buffer().div_(data_size)
-    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda _: buffer)  # reduced in place
 
 
 def _scaled(hook: Callable, spatial_size: int) -> Callable:

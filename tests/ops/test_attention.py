@@ -326,7 +326,7 @@ def _fused_kernel_case(device: str, dtype: torch.dtype):
     """The fused kernels (CPU flash, CUDA memory-efficient) on shards of one rank's group, against torch's math
     attention on the same device: the merged output and log-sum-exp feed the kernel's backward exactly as the
     kernel wrote its own (the CUDA backward reads ``out`` with the forward's memory layout)."""
-    from lightning_spatial import Axis
+    from lightning_spatial.primitives import Axis
     from lightning_spatial.tensor import shard, unwrap
 
     torch.manual_seed(0)
@@ -360,7 +360,7 @@ def _fused_kernel_case(device: str, dtype: torch.dtype):
 def test_the_fused_kernels_backward_meets_the_merged_output_in_their_own_layout(device, dtype, tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    import lightning_spatial.layout as layout
+    import lightning_spatial.mesh as mesh
     import lightning_spatial.ops.attention as attention
 
     calls = []
@@ -368,7 +368,7 @@ def test_the_fused_kernels_backward_meets_the_merged_output_in_their_own_layout(
     monkeypatch.setattr(attention._ShardedKeys, "forward", lambda *a: calls.append(a[1:4]) or forward(*a))
     # one rank, in this process: a forked child could not use CUDA after the parent asked for devices. Its group
     # must not outlive the test in the axis registry: a later forked rank would inherit it and hang freeing it
-    monkeypatch.setattr(layout, "_GROUPS", {})
+    monkeypatch.setattr(mesh, "_GROUPS", {})
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         _fused_kernel_case(device, dtype)

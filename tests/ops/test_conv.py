@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_spatial import Axis, shard
-from lightning_spatial.callbacks import _SavedActivations
+from lightning_spatial import shard
+from lightning_spatial.primitives import Axis
+from lightning_spatial.saved import SavedActivations
 from lightning_spatial.tensor import wrap
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
@@ -201,16 +202,15 @@ def test_conv_transpose2d(layout, kernel, stride, padding, output_padding, dilat
 
 def _autocast_case(dtype):
     from lightning_spatial import shard
-    from lightning_spatial.halo import HaloStats
+    from lightning_spatial.primitives import counting_halo_bytes
 
     torch.manual_seed(4)
     x, w = shard(torch.randn(2, 4, 8, 16), {-1: Axis.from_group()}), torch.randn(4, 1, 7, 7)
     sent = {}
     for autocast in (False, True):
-        HaloStats.reset()
-        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        with counting_halo_bytes() as halos, torch.autocast("cpu", dtype=dtype, enabled=autocast):
             out = F.conv2d(x, w, padding=3, groups=4)
-        sent[autocast] = HaloStats.sent_bytes
+        sent[autocast] = halos.sent
         assert out.dtype == (dtype if autocast else torch.float32)
     assert sent[True] * 2 == sent[False] > 0  # halos travel in the half dtype under autocast
 
@@ -260,7 +260,7 @@ def _window_memory_case(layout):
     assert ours <= plain * 1.02, f"keeps {ours} bytes where the shard alone keeps {plain}"
     counted = []  # our memory accounting (SpatialSummary, the automatic plan) observes without changing it
     for t in (local, wrap(local, x.shard_layout)):
-        saved = _SavedActivations(torch.nn.Module())
+        saved = SavedActivations(torch.nn.Module())
         with saved:
             net(t)
         counted.append(saved.nbytes)
@@ -276,18 +276,18 @@ def _refetch_case(layout):
     """The window is fetched again in backward only where that saves memory: after a ReLU (autograd keeps its
     output anyway) but not after a residual sum (the window would be the only copy: rebuilding it costs a second
     exchange and saves nothing)."""
-    from lightning_spatial.halo import HaloStats
+    from lightning_spatial.primitives import counting_halo_bytes
 
     torch.manual_seed(0)
     x, y = (shard(torch.randn(2, 4, 16, 24), axes(layout)) for _ in range(2))
     w = torch.randn(4, 4, 3, 3, requires_grad=True)
     sent = {}
     for name, first in {"relu": lambda a, b: torch.relu(a), "sum": torch.add, "leaf": lambda a, b: a}.items():
-        HaloStats.reset()
-        out = torch.nn.functional.conv2d(first(x.detach().requires_grad_(), y), w, padding=1)
-        forward = HaloStats.sent_bytes
-        out.square().sum().backward()
-        sent[name] = HaloStats.sent_bytes / forward  # backward: the adjoint's messages (and a refetch's)
+        with counting_halo_bytes() as halos:
+            out = torch.nn.functional.conv2d(first(x.detach().requires_grad_(), y), w, padding=1)
+            forward = halos.sent
+            out.square().sum().backward()
+        sent[name] = halos.sent / forward  # backward: the adjoint's messages (and a refetch's)
     assert sent == {"relu": 3, "sum": 2, "leaf": 3}, sent
 
 

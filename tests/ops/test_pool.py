@@ -113,7 +113,7 @@ def test_pool1d(kind, ranks):
 
 
 def _pool1d_case(op):
-    from lightning_spatial import Axis
+    from lightning_spatial.primitives import Axis
 
     torch.manual_seed(8)
     check(op, [torch.randn(2, 3, 23)], sharded=[0], axes={-1: Axis.from_group()})

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_spatial import Axis, DimShard, Layout
+from lightning_spatial.primitives import Axis, DimShard, Layout
 from lightning_spatial.tensor import wrap
 from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd

@@ -72,7 +72,7 @@ def test_upsample_module(layout):
 
 
 def _linear_1d_case(align_corners):
-    from lightning_spatial import Axis
+    from lightning_spatial.primitives import Axis
 
     torch.manual_seed(11)
     check(

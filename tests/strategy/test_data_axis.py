@@ -59,3 +59,25 @@ def test_sums_counts_and_gathers_span_data_replicas_once():
     assert logged["label_sum"] == data.labels.sum().item()
     for key in ("count", "count_in_a_dict", "count_created_late"):
         assert logged[key] == 8, (key, logged[key])
+
+
+def test_the_run_claims_its_module_metrics_only_and_gives_them_back():
+    """What the strategy does to torchmetrics: the module's metrics (submodules, plain dicts and lists) sync over the
+    data axis for the run through their own ``process_group``; a metric that names a group keeps it, a metric
+    outside the module is not touched, and ``release`` restores every one."""
+    from lightning_spatial.strategies._scopes import MetricsOverData
+
+    group, own = object(), object()  # stand-ins for process groups: only their identity matters here
+    module = torch.nn.Module()
+    module.count = SumMetric()
+    module.lists = [CatMetric(), {"nested": SumMetric()}]
+    module.named = SumMetric(process_group=own)
+    elsewhere = SumMetric()
+    claim = MetricsOverData(group)
+    claim.claim(module)
+    assert module.count.process_group is group and module.lists[0].process_group is group
+    assert module.lists[1]["nested"].process_group is group
+    assert module.named.process_group is own and elsewhere.process_group is None
+    claim.release()
+    assert all(m.process_group is None for m in (module.count, module.lists[0], module.lists[1]["nested"]))
+    assert module.named.process_group is own

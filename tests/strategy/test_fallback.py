@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_spatial import LayoutError, SpatialFallbackWarning, SpatialParallelStrategy, tensor
+from lightning_spatial import LayoutError, SpatialFallbackWarning, SpatialParallelStrategy, run
 from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, LitModel, loader
 
@@ -38,9 +38,10 @@ def _modes():
     )
     with pytest.raises(LayoutError, match=message):
         _fit("error")
-    assert tensor._mode == "warn" and tensor.module_names == {}, "the run's settings outlived it"
-    for mode, expected in (("warn", 1), ("silent", 0)):  # 4 steps call the op
-        tensor._warned.clear()
+    assert run.current() is run._RUNS[0], "the run outlived its Trainer"
+    assert torch._dynamo.config.optimize_ddp is True, "dynamo's DDP graph splitting was left off"
+    assert run.current().fallback == "warn" and run.current().module_names == {}, "the run's settings leaked"
+    for mode, expected in (("warn", 1), ("silent", 0)):  # 4 steps call the op; each run announces anew
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _fit(mode)

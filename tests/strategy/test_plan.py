@@ -3,7 +3,6 @@ plan in the log, the probe leaving the module and the random streams as they wer
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import random
@@ -13,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor, halo
-from lightning_spatial.callbacks import _SavedActivations
-from lightning_spatial.plan import Estimate, _zero_filled_messages, choose, layouts, parse_budget
+from lightning_spatial import SpatialParallelStrategy, SpatialTensor, halo
+from lightning_spatial.plan import Estimate, choose, layouts, parse_budget
+from lightning_spatial.primitives import SpatialDims
+from lightning_spatial.run import Run, entered
+from lightning_spatial.saved import SavedActivations
 from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, LitModel, loader, make_model
 
@@ -58,7 +59,7 @@ class Measure(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.inputs = sum(_nbytes(t.to_local() if isinstance(t, SpatialTensor) else t) for t in batch.values())
-        self.saved = _SavedActivations(pl_module)
+        self.saved = SavedActivations(pl_module)
         self.saved.__enter__()
 
     def on_before_backward(self, trainer, pl_module, loss):
@@ -113,7 +114,7 @@ def _one_device_bytes(data: Data) -> int:
     optimizer = module.configure_optimizers()
     batch = next(iter(loader(data, 2)))
     inputs = sum(_nbytes(t) for t in batch.values())
-    saved = _SavedActivations(module)
+    saved = SavedActivations(module)
     with saved:
         loss = module._loss(batch)[0]
     loss.backward()
@@ -269,7 +270,7 @@ def _halos_read_as_zeros():
         return
     for inside in (False, True):
         received, pieces = torch.full((3,), float("nan")), [torch.full((2,), float("nan")) for _ in range(2)]
-        with _zero_filled_messages() if inside else contextlib.nullcontext():
+        with entered(Run(zero_undelivered=inside)):
             halo._p2p(fake, [], [(1, received)])
             torch.distributed.all_gather(pieces, torch.ones(2), group=fake)
         assert torch.equal(received, torch.zeros(3)) == inside, received  # nothing arrives

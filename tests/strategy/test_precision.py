@@ -13,18 +13,17 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_spatial import SpatialFallbackWarning, SpatialParallelStrategy, SpatialTensor
-from lightning_spatial.tensor import set_fallback_mode
 from tests.strategy.lit import Images, LitModel, loader
 
 STEPS = 2
 
 
 class FallbacksAreErrors(L.Callback):
-    """Inside every rank: a fallback raises (both ways a user can ask), and the batches really are sharded."""
+    """Inside every rank: a fallback raises (the warning as an error, beside the strategy's fallback="error"), and
+    the batches really are sharded."""
 
     def setup(self, trainer, pl_module, stage):
         warnings.filterwarnings("error", category=SpatialFallbackWarning)
-        set_fallback_mode("error")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         assert isinstance(batch["image"], SpatialTensor) and isinstance(batch["mask"], SpatialTensor)
@@ -46,7 +45,7 @@ def test_every_precision_plugin_trains_without_a_fallback(precision, tmp_path):
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=SpatialParallelStrategy(2, "width", start_method="fork"),
+        strategy=SpatialParallelStrategy(2, "width", fallback="error", start_method="fork"),
         max_steps=STEPS,
         limit_val_batches=1,
         num_sanity_val_steps=1,

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins import MixedPrecision
 
-from lightning_spatial import SpatialDims, SpatialParallelStrategy, SpatialTensor, gather, layout
-from lightning_spatial import graphs as graphs_module
+from lightning_spatial import SpatialParallelStrategy, SpatialTensor, gather, mesh, run
 from lightning_spatial.graphs import CUDAGraphed
+from lightning_spatial.primitives import SpatialDims
 from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, LitModel, loader
 from tests.strategy.test_equivalence import assert_same_weights
@@ -88,13 +88,13 @@ def test_one_process_trains_in_this_process():
         def on_train_start(self, trainer, pl_module):
             pids.append(os.getpid())
 
-    environ, groups = dict(os.environ), dict(layout._GROUPS)
+    environ, groups = dict(os.environ), dict(mesh._GROUPS)
     trainer(1, 1, max_epochs=1, callbacks=[RecordPid()]).fit(LitModel("segnet"), loader(Images(4, 16, 24), 2))
     assert pids == [os.getpid()]
     # Its world of one ended with it, and the launcher's LOCAL_RANK, MASTER_PORT, ... left os.environ (with them
     # the next Trainer took itself for a torchrun rank and waited for a second rank); no group of it stays
     # behind for forked ranks to free (a gloo group's destructor hung there). The next Trainer may fork two.
-    assert not dist.is_initialized() and dict(os.environ) == environ and layout._GROUPS == groups
+    assert not dist.is_initialized() and dict(os.environ) == environ and mesh._GROUPS == groups
     fork_two = SpatialParallelStrategy(2, start_method="fork", timeout=timedelta(seconds=60))
     trainer(2, strategy=fork_two, max_epochs=1).fit(LitModel("segnet"), loader(Images(4, 16, 24), 2))
 
@@ -204,7 +204,7 @@ class CountsNotedBuckets(L.Callback):
         self.noted = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.noted.append(sum(p in graphs_module._BUCKET_VIEWS for p in pl_module.parameters()))
+        self.noted.append(sum(p in run.current().bucket_views for p in pl_module.parameters()))
 
 
 @pytest.mark.parametrize("cuda_graphs", [(), ("model",)])
@@ -218,7 +218,7 @@ def test_bucket_views_are_noted_for_replays_and_forgotten_after_the_run(cuda_gra
     trainer(1, 1, strategy=strategy, callbacks=[counts]).fit(model, loader(Images(4, 32, 64), 2))
     everyone = len(list(model.parameters()))
     assert counts.noted == ([everyone] * 4 if cuda_graphs else [0] * 4)
-    assert not [p for p in model.parameters() if p in graphs_module._BUCKET_VIEWS]
+    assert not [p for r in run._RUNS for p in model.parameters() if p in r.bucket_views]
 
 
 class Replayed(L.Callback):
@@ -388,7 +388,7 @@ def test_bad_input_fails_before_training(case, match):
         ({"spatial_size": (2, 0)}, "spatial_w must be a positive int, got 0"),
         ({"spatial_size": 2, "shard_dim": "channels"}, "shard_dim must be one of .'width', 'height'., got 'channels'"),
         ({"fallback": "loud"}, "fallback must be 'warn', 'error' or 'silent', got 'loud'"),
-        ({"cuda_graphs": "model"}, "cuda_graphs is a list of submodule names, got the string 'model'"),
+        ({"cuda_graphs": "model"}, "cuda_graphs must be 'auto' \\(the default\\), False, or a list of submodule names"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):

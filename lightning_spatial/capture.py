@@ -1,0 +1,100 @@
+"""Which submodules replay as CUDA graphs when nobody names them: ``SpatialParallelStrategy(cuda_graphs="auto")``.
+
+On CUDA, the strategy runs the first training step eagerly while ``Watch`` notes, for every submodule of the
+LightningModule, how often it ran and whether its inputs held an activation sharded along image height or width (a
+``SpatialTensor`` with a spatial shard, not tokens). ``choose`` then takes the largest such submodules that hold
+trainable weights and ran once in the step: the image encoders of camera models (backbone and neck), where the
+sharded work is. Heads over tokens or replicated values, matching and losses stay eager, as does a module run twice
+a step (a capture replays one call: its outputs live in the graph's memory, which a second call would overwrite).
+Each chosen module is wrapped in ``CUDAGraphed``, which captures it after its own warm-up calls and runs eagerly
+whatever it cannot capture; the run logs once what was captured and why the rest was not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+from .tensor import SpatialTensor
+
+
+@dataclass
+class Seen:
+    """What one training step showed of a module: its calls, and whether an input was an image-sharded activation."""
+
+    calls: int = 0
+    sharded: bool = False
+
+
+def image_sharded(value: object) -> bool:
+    """A ``SpatialTensor`` sharded along a spatial dim (not a token dim merged from one)."""
+    return isinstance(value, SpatialTensor) and any(not s.merged for s in value.shard_layout.shards)
+
+
+class Watch:
+    """Forward pre-hooks on every submodule of ``root`` (not ``root`` itself) while entered, noting ``Seen``."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.seen: dict[nn.Module, Seen] = {}
+        self._handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> Watch:
+        for name, module in self.root.named_modules():
+            if name:
+                self._handles.append(module.register_forward_pre_hook(self._note, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _note(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen = self.seen.setdefault(module, Seen())
+        seen.calls += 1
+        seen.sharded = seen.sharded or any(image_sharded(v) for v in tree_leaves((args, kwargs)))
+
+
+def choose(root: nn.Module, seen: dict[nn.Module, Seen]) -> tuple[list[str], dict[str, str]]:
+    """(the submodules to capture, by path; why each other child of ``root`` is not captured)."""
+    chosen: list[str] = []
+    for name, module in root.named_modules():  # parents come before their children
+        if not name or any(name.startswith(c + ".") for c in chosen):
+            continue
+        s = seen.get(module)
+        trainable = any(p.requires_grad for p in module.parameters())
+        if s is not None and s.sharded and s.calls == 1 and trainable:
+            chosen.append(name)
+    left = {}
+    for name, module in root.named_children():
+        if name in chosen or any(c.startswith(name + ".") for c in chosen):
+            continue
+        left[name] = _why_not(seen.get(module), any(p.requires_grad for p in module.parameters()))
+    return chosen, left
+
+
+def _why_not(seen: Seen | None, trainable: bool) -> str:
+    if seen is None or not seen.calls:
+        return "not run in a training step"
+    if not trainable:
+        return "no trainable weights"
+    if not seen.sharded:
+        return "its inputs are tokens or replicated values, not image-sharded activations"
+    return f"run {seen.calls} times a step (a capture replays one call)"
+
+
+def describe(chosen: list[str], left: dict[str, str]) -> str:
+    captured = ", ".join(f"'{n}'" for n in chosen) or "nothing"
+    eager = "; ".join(f"'{n}' ({why})" for n, why in left.items())
+    return (
+        f"lightning_spatial: cuda_graphs='auto' replays {captured} as CUDA graphs after their warm-up steps"
+        + (f"; eager: {eager}" if eager else "")
+        + ". Name modules with cuda_graphs=[...], or turn graphs off with cuda_graphs=False"
+    )
+
+
+__all__ = ["Seen", "Watch", "choose", "describe", "image_sharded"]

@@ -1,0 +1,91 @@
+"""Plans: what a handler decides before it runs a kernel, computed once per distinct arguments.
+
+A *plan* is a pure function of layouts, shapes, dtypes, devices and non-tensor arguments: which rows a rank's
+window spans, which messages it sends, the output's layout, an index tensor of fixed rows. ``@planned`` is the one
+cache of the op layer: a plan is computed the first time its arguments are seen and looked up after that, in a
+table of its own (bounded: cleared when full, since shapes vary with batches and crops). Plans that eager code asks
+for at every op about one layout (``x.shape``'s global shape) are kept with that layout instead
+(``per_layout=True``, in ``Layout.plans``): looking one up hashes no layout (a dataclass hash walks every shard and
+axis, about 0.3 us).
+
+The rule under ``torch.compile``: while dynamo traces, a plan is computed, never looked up. Its arguments are
+constants of the trace, so the plan's code folds into constants of the graph; a lookup would make dynamo guard on
+the table (a filled one would recompile) and wrap it entries and all. Arguments that cannot be hashed (a list)
+are planned every time, as in traced code.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable
+from typing import ParamSpec, TypeVar
+
+import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_tracing = torch.compiler.is_dynamo_compiling  # read once: every plan lookup of eager code asks
+
+
+def planned(
+    func: Callable[P, R] | None = None,
+    *,
+    maxsize: int = 4096,
+    per_layout: bool = False,
+    key: Callable[..., Hashable] | None = None,
+) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate a pure function of hashable arguments (positional only) so that each distinct call is computed
+    once; see the module docstring for the rule under ``torch.compile``. ``f.forget()`` empties the table.
+
+    ``per_layout``: the first argument is a ``Layout``, which keeps the plans about it (at most ``maxsize``).
+    ``key``: what the plan depends on, from the arguments, where that is less than all of them (e.g. the types of
+    a call's values, not the values)."""
+    if func is None:
+        return functools.partial(planned, maxsize=maxsize, per_layout=per_layout, key=key)
+    if per_layout:
+        return _per_layout(func, maxsize)
+    table: dict = {}
+
+    @functools.wraps(func)
+    def plan(*args):
+        if _tracing():
+            return func(*args)
+        k = args if key is None else key(*args)
+        try:
+            return table[k]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable argument
+            return func(*args)
+        if len(table) >= maxsize:
+            table.clear()
+        result = table[k] = func(*args)
+        return result
+
+    plan.forget = table.clear
+    return plan
+
+
+def _per_layout(func: Callable, maxsize: int) -> Callable:
+    @functools.wraps(func)
+    def plan(layout, *args):
+        if _tracing():
+            return func(layout, *args)
+        table, key = layout.plans, (func, args)
+        try:
+            return table[key]
+        except KeyError:
+            pass
+        except TypeError:
+            return func(layout, *args)
+        if len(table) >= maxsize:
+            table.clear()
+        result = table[key] = func(layout, *args)
+        return result
+
+    plan.forget = lambda: None  # the tables go with their layouts
+    return plan
+
+
+__all__ = ["planned"]

@@ -1,0 +1,167 @@
+"""GPU: training through the Trainer with the default ``cuda_graphs="auto"`` equals eager training, for timm models and
+the BEV detectors, on one rank of a width split (w2) and of 2x2 tiles, checkpoints included.
+
+One GPU plays one rank (``FakeRank``: PyTorch's fake backend, halos read as zeros), so the graphed and the eager run
+compute the same function of the same data on the same shard: any difference is the capture's. fp32 with TF32 off,
+deterministic cuDNN, the oracle's fp32 tolerance. Run in a pytest invocation of its own on a GPU machine (README).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_spatial import SpatialParallelStrategy
+from lightning_spatial.fake_rank import FakeRank
+from lightning_spatial.graphs import CUDAGraphed
+from tests.oracle import RTOL, assert_rel_close
+from tests.strategy.lit import Images, LitModel, loader
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+LAYOUTS = {"w2": (2, 2, 1), "2x2": (4, (2, 2), 3)}  # world, spatial_size, the rank played (an interior one)
+STEPS = 6  # step 1 watched, 2-3 the wrapper's eager warm-up, 4 captured, 5-6 replayed
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    ) = saved
+
+
+def _image_model(name: str):
+    def build():
+        model = LitModel(name)
+        if name == "convnext_atto":  # DropPath and dropout: random numbers inside the replayed graph
+            torch.manual_seed(0)
+            import timm
+
+            model.model = timm.create_model(name, pretrained=False, num_classes=3, drop_path_rate=0.2, drop_rate=0.3)
+        return model
+
+    return build, lambda: loader(Images(2 * STEPS, 64, 96), 2)
+
+
+def _bev_model(kind: str):
+    from lightning_spatial.data import SurroundSynthetic
+    from lightning_spatial.models import bev
+
+    def build():
+        torch.manual_seed(0)
+        return getattr(bev, kind).tiny()
+
+    def data():
+        module = SurroundSynthetic(num_samples=STEPS, val_samples=1, height=64, width=176, cameras=2, batch_size=1)
+        module.setup("fit")
+        return module.train_dataloader()
+
+    return build, data
+
+
+MODELS = {
+    "convnext_dropout": _image_model("convnext_atto"),
+    "resnet_batchnorm": _image_model("resnet10t"),
+    "segnet": _image_model("segnet"),
+    "petr": _bev_model("PETR"),
+    "lift_splat": _bev_model("LiftSplat"),
+    "simple_bev": _bev_model("SimpleBEV"),
+}
+
+
+def _fit(model: L.LightningModule, data: DataLoader, layout: str, graphs, steps: int, ckpt=None, save=None, rank=None):
+    world, spatial, interior = LAYOUTS[layout]
+    with FakeRank(world, interior if rank is None else rank) as env:
+        trainer = L.Trainer(
+            accelerator="gpu",
+            devices=1,
+            strategy=SpatialParallelStrategy(spatial, cuda_graphs=graphs, fallback="error"),
+            plugins=[env],
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        )
+        trainer.fit(model, data, ckpt_path=ckpt)
+        if save is not None:
+            trainer.save_checkpoint(save)  # rank 0 writes it
+    return model, trainer
+
+
+class Captures(L.Callback):
+    """Which modules replay, seen inside the run (the strategy unwraps them at its teardown)."""
+
+    def __init__(self):
+        self.replaying: set[str] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        for name, m in pl_module.named_modules():
+            if isinstance(m, CUDAGraphed) and m._graphs:
+                self.replaying.add(name)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().cpu() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_default_replays_the_image_encoder_and_trains_to_the_eager_weights(name, layout):
+    build, data = MODELS[name]
+    eager, _ = _fit(build(), data(), layout, False, STEPS)
+    model = build()
+    seen = Captures()
+    world, spatial, rank = LAYOUTS[layout]
+    with FakeRank(world, rank) as env:
+        L.Trainer(
+            accelerator="gpu",
+            devices=1,
+            strategy=SpatialParallelStrategy(spatial, fallback="error"),  # cuda_graphs="auto", the default
+            plugins=[env],
+            max_steps=STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            callbacks=[seen],
+        ).fit(model, data())
+    assert seen.replaying, "nothing was captured"
+    if name in ("petr", "lift_splat", "simple_bev"):
+        assert "encoder" in seen.replaying, seen.replaying
+    assert not any(isinstance(m, CUDAGraphed) for m in model.modules()), "the wrapper outlived the run"
+    a, b = _weights(eager), _weights(model)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert_rel_close(b[key], a[key], key, rtol=RTOL)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_graphed_run_saved_and_resumed_equals_the_uninterrupted_one(layout, tmp_path):
+    """Saved after its graphs replayed (step 4 of 2-step epochs), resumed to step 8: the resumed run watches,
+    warms up and captures again, and ends where the uninterrupted run does. Rank 0 plays: it writes checkpoints."""
+    build, data = MODELS["resnet_batchnorm"][0], lambda: loader(Images(4, 64, 96), 2)
+    straight, _ = _fit(build(), data(), layout, "auto", 8, rank=0)
+    _fit(build(), data(), layout, "auto", 4, save=tmp_path / "mid.ckpt", rank=0)
+    resumed, _ = _fit(build(), data(), layout, "auto", 8, ckpt=tmp_path / "mid.ckpt", rank=0)
+    a, b = _weights(straight), _weights(resumed)
+    for key in a:
+        assert_rel_close(b[key], a[key], key, rtol=RTOL)

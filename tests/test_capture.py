@@ -1,0 +1,66 @@
+"""``cuda_graphs="auto"``: which submodules a watched training step picks (CPU: the choice itself; the replays are
+GPU tests in tests/test_graphs.py), and the strategy's checks of ``cuda_graphs``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_spatial
+from lightning_spatial import SpatialParallelStrategy
+from lightning_spatial.capture import Watch, choose, describe
+from tests.spmd import axes, run_spmd
+
+
+class Camera(nn.Module):
+    """The shape of a camera detector: an image encoder, a layer run twice, a head over tokens, an unused branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+        self.twice = nn.Conv2d(4, 4, 1)
+        self.gate = nn.Sigmoid()  # sharded input, no weights
+        self.head = nn.Linear(4, 2)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, images):
+        features = self.gate(self.twice(self.twice(self.encoder(images))))
+        return self.head(features.flatten(2).transpose(1, 2))  # tokens
+
+
+def _choice_case(layout):
+    model = Camera()
+    with Watch(model) as watch:
+        model(lightning_spatial.shard(torch.randn(2, 3, 8, 12), axes(layout))).sum().backward()
+    chosen, left = choose(model, watch.seen)
+    assert chosen == ["encoder"], chosen  # the largest: not its convolutions one by one
+    assert left == {
+        "twice": "run 2 times a step (a capture replays one call)",
+        "gate": "no trainable weights",
+        "head": "its inputs are tokens or replicated values, not image-sharded activations",
+        "unused": "not run in a training step",
+    }, left
+    assert not any(m._forward_pre_hooks for m in model.modules())  # the watch leaves nothing behind
+    message = describe(chosen, left)
+    assert "replays 'encoder'" in message and "'twice' (run 2 times" in message and "cuda_graphs=False" in message
+
+
+@pytest.mark.parametrize("layout", ["w2", "2x2"])
+def test_the_watched_step_picks_the_largest_modules_run_once_on_image_shards(layout):
+    run_spmd(_choice_case, 2 if layout == "w2" else 4, layout)
+
+
+def test_unsharded_runs_choose_nothing():
+    model = Camera()
+    with Watch(model) as watch:
+        model(torch.randn(2, 3, 8, 12))
+    assert choose(model, watch.seen)[0] == []
+
+
+@pytest.mark.parametrize("value", ["backbone", True, "AUTO"])
+def test_cuda_graphs_takes_auto_false_or_names(value):
+    with pytest.raises(ValueError, match="cuda_graphs must be 'auto' \\(the default\\), False, or a list"):
+        SpatialParallelStrategy(2, cuda_graphs=value)
+    for fine in ("auto", False, None, [], ["model"]):
+        SpatialParallelStrategy(2, cuda_graphs=fine)

@@ -1,0 +1,68 @@
+"""A run's state belongs to the run: nested runs do not see each other's fallback mode, announcements, module
+names or halo counters, and leaving a run restores the one before."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import lightning_spatial
+from lightning_spatial import LayoutError, SpatialFallbackWarning, fallback_mode
+from lightning_spatial.primitives import counting_halo_bytes
+from lightning_spatial.run import Run, current, entered
+from tests.spmd import axes, run_spmd
+
+
+class Flip(torch.nn.Module):
+    def forward(self, x):
+        return torch.flip(x, [-1])  # no spatial handler: the fallback
+
+
+def _nested_case():
+    x = lightning_spatial.shard(torch.randn(1, 2, 4, 8), axes("w2"))
+    flip = Flip()
+    outer = current()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with entered(Run(module_names={id(flip): "head.flip"})) as first:
+            flip(x)
+            flip(x)  # announced once per op and layer in a run
+            with entered(Run(fallback="error")) as second:
+                assert current() is second and second.module_names == {}
+                with pytest.raises(LayoutError, match=r"torch.flip has no spatial handler"):
+                    flip(x)  # the inner run names no module and raises
+            assert current() is first and first.fallback == "warn"
+        with entered(Run()):
+            flip(x)  # a new run announces again
+    assert current() is outer and not outer.warned
+    messages = [str(w.message) for w in caught if w.category is SpatialFallbackWarning]
+    assert len(messages) == 2 and "in module 'head.flip' (Flip)" in messages[0] and "in module" not in messages[1]
+
+
+def test_nested_runs_keep_their_own_fallback_state():
+    run_spmd(_nested_case, 2)
+
+
+def _halo_case():
+    x = lightning_spatial.shard(torch.randn(1, 2, 4, 8), axes("w2"))
+    weight = torch.randn(2, 2, 3, 3)
+    with counting_halo_bytes() as outer:
+        torch.nn.functional.conv2d(x, weight, padding=1)
+        with entered(Run()), counting_halo_bytes() as inner:
+            torch.nn.functional.conv2d(x, weight, padding=1)
+    row = 1 * 2 * 4 * 4  # one column of (1, 2, 4) float32 values to the neighbour
+    assert inner.sent == row and outer.sent == 2 * row, (inner, outer)
+
+
+def test_halo_bytes_are_counted_in_the_block_that_asks():
+    run_spmd(_halo_case, 2)
+
+
+def test_fallback_mode_names_the_modes():
+    with pytest.raises(ValueError, match="fallback must be 'warn', 'error' or 'silent', got 'loud'"):
+        with fallback_mode("loud"):
+            pass
+    with pytest.raises(ValueError, match="got 'loud'"):
+        Run(fallback="loud")
