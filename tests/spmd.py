@@ -8,9 +8,11 @@ every CUDA generator's state (``isolate_rng``) even on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -61,6 +63,39 @@ def _worker(rank, world_size, init, fn, args, results) -> None:
         results.join_thread()
         if dist.is_initialized():
             dist.destroy_process_group()
+        os._exit(0)
+
+
+def run_killed_after(timeout: float, fn: Callable, *args) -> None:
+    """Run ``fn(*args)`` in a forked child leading its own session, and kill the session (the child and every
+    process it started: a Trainer's ranks, DataLoader workers) after ``timeout`` s: a hang fails the test."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    leader = ctx.Process(target=_session, args=(fn, args, results))
+    leader.start()
+    try:
+        error = results.get(timeout=timeout)
+    except queue.Empty:
+        error = f"killed after {timeout} s (hung)"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)
+        leader.join()
+    if error:
+        raise AssertionError(error)
+
+
+def _session(fn, args, results) -> None:
+    os.setsid()
+    error = None
+    try:
+        fn(*args)
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        error = traceback.format_exc()
+    finally:
+        results.put(error)
+        results.close()
+        results.join_thread()
         os._exit(0)
 
 
