@@ -102,6 +102,7 @@ def test_benchmark_runs(tmp_path, capsys):
     main(["--sizes", "8x22", "--samples", "4", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "render 8x22 temporal=True" in out and all(f"records {f}: write" in out for f in FORMATS)
+    assert out.count("2 ranks cold") == len(FORMATS)
 
 
 def _scenes(seed: int = 0, samples: int = 3) -> SurroundScenes:
