@@ -1,11 +1,12 @@
 """The DataModule base every surround source shares: loaders that collate with ``collate_surround`` and,
 with ``records_dir``, a one-time conversion of both splits to packed records that training then reads.
 
-Who writes the records: Lightning calls ``prepare_data`` on each node's local rank 0 (under any launcher and
-strategy), which writes a split unless records of exactly its settings are there. Everyone else reads them in
-``setup``, where a process of a multi-process run waits for them (up to the strategy's ``timeout``) when they
-are not there yet: under DDP and ``spatial_tp`` Lightning holds the other ranks at a barrier until
-``prepare_data`` returns, under Horovod it does not.
+Who writes the records: Lightning calls ``prepare_data`` on each node's local rank 0 (global rank 0 alone with
+``prepare_data_per_node=False``) under any launcher, and it writes a split unless records of exactly its settings
+are there; the other ranks wait at Lightning's barriers (around ``prepare_data`` under DDP and ``spatial_tp``,
+before ``setup`` under every strategy, Horovod's included). In ``setup`` each rank of a multi-process run then
+waits, up to the strategy's ``timeout``, until the folder holds records of its settings: another node may still
+be writing them, or a shared filesystem may show the finished folder late.
 """
 
 from __future__ import annotations
