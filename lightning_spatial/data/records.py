@@ -46,10 +46,13 @@ def records_identity(dataset: Dataset, format: str) -> dict:
 
 def read_identity(root) -> dict | None:
     """The identity of the finished records at ``root``; None when there are none."""
+    path = Path(root) / META
     try:
-        return json.loads((Path(root) / META).read_text())
+        return json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): delete the folder {root}") from error
 
 
 def differences(found: dict, asked: dict) -> str:

@@ -82,6 +82,9 @@ def test_records_for_another_size_or_none_raise(tmp_path, source):
         PackedSurround(tmp_path / "r", expect=dict(source.describe(), height=32))
     with pytest.raises(FileNotFoundError, match=r"no surround records at .*missing.*surround.json missing"):
         PackedSurround(tmp_path / "missing")
+    (tmp_path / "r" / "surround.json").write_text('{"format": "loose", "samp')
+    with pytest.raises(ValueError, match=r"/r/surround.json is not valid JSON \(.*\): delete the folder .*/r$"):
+        PackedSurround(tmp_path / "r")
 
 
 def test_datamodule_packs_once_and_trains_from_records(tmp_path):
