@@ -12,8 +12,8 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import signal
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -66,37 +66,27 @@ def _worker(rank, world_size, init, fn, args, results) -> None:
         os._exit(0)
 
 
-def run_killed_after(timeout: float, fn: Callable, *args) -> None:
-    """Run ``fn(*args)`` in a forked child leading its own session, and kill the session (the child and every
-    process it started: a Trainer's ranks, DataLoader workers) after ``timeout`` s: a hang fails the test."""
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    leader = ctx.Process(target=_session, args=(fn, args, results))
-    leader.start()
-    try:
-        error = results.get(timeout=timeout)
-    except queue.Empty:
-        error = f"killed after {timeout} s (hung)"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(leader.pid, signal.SIGKILL)
-        leader.join()
-    if error:
-        raise AssertionError(error)
+@contextlib.contextmanager
+def children_killed_after(timeout: float):
+    """Kill the child processes of this process (a Trainer's forked ranks) if the block runs longer than
+    ``timeout`` s: a hung rank then fails the test instead of blocking the suite."""
+    fired = threading.Event()
 
+    def kill() -> None:
+        fired.set()
+        for child in mp.active_children():
+            child.kill()
 
-def _session(fn, args, results) -> None:
-    os.setsid()
-    error = None
+    timer = threading.Timer(timeout, kill)
+    timer.start()
     try:
-        fn(*args)
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        error = traceback.format_exc()
+        yield
+    except BaseException as error:
+        if fired.is_set():
+            raise AssertionError(f"killed after {timeout} s (hung)") from error
+        raise
     finally:
-        results.put(error)
-        results.close()
-        results.join_thread()
-        os._exit(0)
+        timer.cancel()
 
 
 # Rank layouts used by every op test: name -> (world size, {tensor dim: mesh axis name}).

@@ -12,15 +12,15 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_spatial import SpatialParallelStrategy
 from tests.data.records_trainer import fit
-from tests.spmd import as_torchrun, run_killed_after, run_spmd
+from tests.spmd import as_torchrun, children_killed_after, run_spmd
 
 STRATEGIES = {"spatial_tp": lambda **kwargs: SpatialParallelStrategy(2, **kwargs), "ddp": DDPStrategy}
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_two_forked_ranks_train_from_records_they_write(tmp_path, name):
-    strategy = STRATEGIES[name](start_method="fork", timeout=timedelta(seconds=60))
-    run_killed_after(120, fit, strategy, 2, tmp_path)
+    with children_killed_after(120):
+        fit(STRATEGIES[name](start_method="fork", timeout=timedelta(seconds=60)), 2, tmp_path)
 
 
 def _torchrun_rank(strategy: str, records_dir, seeds: tuple[int, ...]) -> None:
