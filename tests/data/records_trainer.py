@@ -3,6 +3,8 @@ against the sample rendered directly at its sampler's index, and counts them."""
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import torch
 
@@ -36,17 +38,18 @@ class SamplesChecked(L.LightningModule):
 
     def on_fit_end(self):
         replicas = self.trainer.strategy.distributed_sampler_kwargs["num_replicas"]
-        assert self.checked == {s: len(d) // replicas for s, d in self.direct.items()}, self.checked
+        assert self.checked == {s: math.ceil(len(d) / replicas) for s, d in self.direct.items()}, self.checked
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(strategy, devices: int, records_dir, **data) -> None:
+def fit(strategy, devices: int, records_dir, num_nodes: int = 1, **data) -> None:
     """One epoch on ``records_dir`` (litdata, the default format); ``data`` overrides ``DATA``."""
     L.Trainer(
         accelerator="cpu",
         devices=devices,
+        num_nodes=num_nodes,
         strategy=strategy,
         max_epochs=1,
         num_sanity_val_steps=0,

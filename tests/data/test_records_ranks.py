@@ -4,6 +4,7 @@ Horovod: tests/horovod/test_horovod.py."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -30,6 +31,18 @@ def _torchrun_rank(strategy: str, records_dir, seeds: tuple[int, ...]) -> None:
 
 def test_ranks_started_outside_lightning_train_from_records(tmp_path):
     run_spmd(_torchrun_rank, 2, "spatial_tp", tmp_path, (0, 0), timeout=120)
+
+
+def _two_node_rank(records_dir) -> None:
+    as_torchrun()
+    rank = dist.get_rank()
+    os.environ.update(LOCAL_RANK=str(rank % 2), GROUP_RANK=str(rank // 2), LOCAL_WORLD_SIZE="2")
+    fit(DDPStrategy(timeout=timedelta(seconds=60)), 2, records_dir, num_nodes=2)
+
+
+def test_two_nodes_sharing_a_filesystem_write_at_once_and_train_from_records(tmp_path):
+    """Lightning runs prepare_data on each node's local rank 0 (global ranks 0 and 2): two writers at once."""
+    run_spmd(_two_node_rank, 4, tmp_path, timeout=120)
 
 
 def test_a_rank_waiting_for_records_nobody_writes_fails_naming_them(tmp_path):
