@@ -8,11 +8,13 @@ every CUDA generator's state (``isolate_rng``) even on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -82,6 +84,29 @@ def _worker(rank, world_size, init, fn, args, results) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         os._exit(0)
+
+
+@contextlib.contextmanager
+def children_killed_after(timeout: float):
+    """Kill the child processes of this process (a Trainer's forked ranks) if the block runs longer than
+    ``timeout`` s: a hung rank then fails the test instead of blocking the suite."""
+    fired = threading.Event()
+
+    def kill() -> None:
+        fired.set()
+        for child in mp.active_children():
+            child.kill()
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    try:
+        yield
+    except BaseException as error:
+        if fired.is_set():
+            raise AssertionError(f"killed after {timeout} s (hung)") from error
+        raise
+    finally:
+        timer.cancel()
 
 
 # Rank layouts used by every op test: name -> (world size, {tensor dim: mesh axis name}).

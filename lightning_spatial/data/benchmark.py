@@ -6,18 +6,22 @@
 - collate: ``collate_surround`` (uint8 -> normalised float32) samples/s at the first size;
 - records: the first size's samples written in every format, then read by index in a random order, warm
   (files in the page cache) and cold (their pages dropped first with posix_fadvise, this process's files only),
-  every tensor copied once so that lazily mapped readers pay for their reads.
+  every tensor copied once so that lazily mapped readers pay for their reads; then the same by ``--ranks``
+  processes at once, each reading its DistributedSampler share with its own reader, as data-parallel ranks do
+  (all samples over the time from the first start to the last finish).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import shutil
 import time
 from pathlib import Path
 
 import torch
+from torch.utils.data import DistributedSampler
 
 from .batch import collate_surround
 from .records import FORMATS, PackedSurround, write_records
@@ -52,6 +56,28 @@ def _read_all(packed: PackedSurround, order: list[int]) -> None:
         [value.clone() for value in packed[i].values()]
 
 
+def _read_ranks(root: Path, ranks: int) -> float:
+    """Samples/s of ``ranks`` forked processes reading their shares of the records at ``root`` at once."""
+    ctx = mp.get_context("fork")
+    start, times = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=_read_share, args=(root, rank, ranks, start, times)) for rank in range(ranks)]
+    for proc in procs:
+        proc.start()
+    spans = [times.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join()
+    return len(PackedSurround(root)) / (max(end for _, end in spans) - min(begin for begin, _ in spans))
+
+
+def _read_share(root: Path, rank: int, ranks: int, start, times) -> None:
+    packed = PackedSurround(root)
+    order = list(DistributedSampler(packed, num_replicas=ranks, rank=rank, shuffle=True))
+    start.wait()
+    begin = time.perf_counter()
+    _read_all(packed, order)
+    times.put((begin, time.perf_counter()))
+
+
 def _drop_cache(root: Path) -> None:
     for path in root.rglob("*"):
         if path.is_file():
@@ -66,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", nargs="+", default=["256x704", "32x88"])
     parser.add_argument("--samples", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ranks", type=int, default=2, help="processes reading at once in the last columns")
     parser.add_argument("--dir", default="/tmp/surround-bench")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -97,7 +124,11 @@ def main(argv: list[str] | None = None) -> None:
         _drop_cache(root)
         packed = PackedSurround(root)  # a fresh reader: nothing of the warm pass in this process's memory
         cold = _rate(args.samples, lambda: _read_all(packed, order))
-        print(f"records {format}: write {write:.1f}, read warm {warm:.1f}, read cold {cold:.1f} samples/s "
+        ranks_warm = _read_ranks(root, args.ranks)
+        _drop_cache(root)
+        ranks_cold = _read_ranks(root, args.ranks)
+        print(f"records {format}: write {write:.1f}, read warm {warm:.1f}, read cold {cold:.1f}, "
+              f"{args.ranks} ranks warm {ranks_warm:.1f}, {args.ranks} ranks cold {ranks_cold:.1f} samples/s "
               f"({megabytes:.1f} MB of images per sample)")  # fmt: skip
         shutil.rmtree(root)
 

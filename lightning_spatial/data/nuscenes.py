@@ -172,7 +172,7 @@ class NuScenesSurround(Dataset):
         tables: dict | None = None,
     ):
         """``tables`` (from ``load_tables``) lets several splits share one load of the JSON."""
-        self.root, self.size, self.cameras = Path(root), (height, width), tuple(cameras)
+        self.root, self.version, self.size, self.cameras = Path(root), version, (height, width), tuple(cameras)
         self.temporal, self.pc_range = temporal, tuple(pc_range)
         t = self.tables = tables or load_tables(root, version)
         self.where = {name: self.root / version / f"{name}.json" for name in TABLES}
@@ -180,6 +180,7 @@ class NuScenesSurround(Dataset):
         if scenes is not None and set(scenes) - names:
             raise ValueError(f"{self.where['scene']}: no scene(s) {sorted(set(scenes) - names)}")
         wanted = {tok for tok, s in t["scene"].items() if scenes is None or s["name"] in scenes}
+        self.scenes = sorted(t["scene"][tok]["name"] for tok in wanted)
         self.tokens = [
             tok
             for tok, s in sorted(t["sample"].items(), key=lambda i: (i[1]["scene_token"], i[1]["timestamp"]))
@@ -195,8 +196,20 @@ class NuScenesSurround(Dataset):
             self.annotations[ann["sample_token"]].append(ann)
 
     def describe(self) -> dict:
+        """Every setting that changes the samples (a records folder's identity)."""
         h, w = self.size
-        return {"samples": len(self), "cameras": len(self.cameras), "height": h, "width": w, "temporal": self.temporal}
+        return {
+            "source": "NuScenesSurround",
+            "root": str(self.root.resolve()),
+            "version": self.version,
+            "scenes": self.scenes,
+            "samples": len(self),
+            "cameras": list(self.cameras),
+            "height": h,
+            "width": w,
+            "temporal": self.temporal,
+            "pc_range": list(self.pc_range),
+        }
 
     def __len__(self) -> int:
         return len(self.tokens)

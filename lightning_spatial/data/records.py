@@ -3,14 +3,24 @@ DistributedSampler, and the spatial strategy's data-parallel sampler, split it l
 
 Formats (docs/data.md measures them): ``litdata`` (Lightning's binary chunks with an index.json),
 ``tfrecord`` (one TFRecord file and its ``.tfindex`` of byte offsets) and ``loose`` (one ``.pt`` per sample,
-the baseline). Each records folder ends with ``surround.json`` (format, sample count, cameras, size,
-temporal), written last, so an interrupted write is not mistaken for a finished one.
+the baseline).
+
+A records folder is whole or absent. Its ``surround.json`` holds the folder's identity: the format,
+``SAMPLE_FORMAT`` and the source's ``describe()`` (every setting that changes the samples). ``write_records``
+fills a hidden sibling folder, ends it with ``surround.json`` and renames it into place; records of another
+identity there are moved aside and deleted. Writers running at once (each node's local rank 0 on a shared
+filesystem) write a copy each: the first rename wins, a later copy of the same identity is dropped.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import time
+import uuid
+from fnmatch import fnmatch
 from pathlib import Path
 
 import numpy as np
@@ -22,42 +32,113 @@ from .batch import check_sample
 FORMATS = ("litdata", "tfrecord", "loose")
 DEFAULT_FORMAT = "litdata"  # the fastest reader in docs/data.md
 META = "surround.json"
+# Bump when the samples written for unchanged settings change (batch.py's contract, a reader, the renderer):
+# records written before are then rewritten instead of served stale.
+SAMPLE_FORMAT = 3  # 3: nuScenes attributes, bike racks as ignore regions, NaN velocities, the gravity-aligned frame
+# What the writers put into a records folder: only a folder holding nothing else is ever replaced.
+_WRITTEN = (META, "[0-9]*.pt", "chunk-*.bin", "*index.json", "samples.tfrecord", "samples.tfindex")
+
+
+def records_identity(dataset: Dataset, format: str) -> dict:
+    """``surround.json`` of ``dataset`` (which has ``describe()``) written in ``format``, as JSON reads it back."""
+    return json.loads(json.dumps({"format": format, "sample_format": SAMPLE_FORMAT, **dataset.describe()}))
+
+
+def read_identity(root) -> dict | None:
+    """The identity of the finished records at ``root``; None when there are none."""
+    path = Path(root) / META
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): delete the folder {root}") from error
+
+
+def differences(found: dict, asked: dict) -> str:
+    """The settings of ``asked`` that ``found`` does not share, as ``name (records: value, asked: value)``."""
+    return ", ".join(f"{k} (records: {found.get(k)!r}, asked: {v!r})" for k, v in asked.items() if found.get(k) != v)
 
 
 def write_records(dataset: Dataset, root, format: str = DEFAULT_FORMAT, num_workers: int = 0) -> Path:
-    """Write every sample of ``dataset`` (which has ``describe()``) into ``root`` in ``format``; ``num_workers``
-    processes produce the samples (rendering, JPEG decoding) while this one writes them in order."""
+    """Write every sample of ``dataset`` (which has ``describe()``) into ``root`` in ``format``, atomically (see
+    the module docstring); ``num_workers`` processes produce the samples (rendering, JPEG decoding) while this one
+    writes them in order."""
     if format not in FORMATS:
         raise ValueError(f"unknown records format {format!r}; choose one of {FORMATS}")
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / META).unlink(missing_ok=True)
-    samples = DataLoader(dataset, batch_size=None, num_workers=num_workers)
-    _WRITERS[format](iter(samples), root)
-    (root / META).write_text(json.dumps({"format": format, **dataset.describe()}, indent=1))
+    root, identity = Path(root).absolute(), records_identity(dataset, format)
+    _check_replaceable(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = _sibling(root, "writing")
+    staging.mkdir()
+    try:
+        _WRITERS[format](iter(DataLoader(dataset, batch_size=None, num_workers=num_workers)), staging)
+        (staging / META).write_text(json.dumps(identity, indent=1))
+        _publish(staging, root, identity)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # an interrupted write, or a copy another writer beat
     return root
 
 
+def _publish(staging: Path, root: Path, identity: dict) -> None:
+    """Rename the finished ``staging`` to ``root``, keeping a ``root`` of the same identity (a concurrent
+    writer's) and moving any other records aside first."""
+    while True:
+        try:
+            staging.rename(root)  # atomic; replaces nothing but an empty folder
+            return
+        except OSError as error:
+            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        if read_identity(root) == identity:
+            return
+        _check_replaceable(root)
+        stale = _sibling(root, "stale")
+        try:
+            root.rename(stale)
+        except FileNotFoundError:
+            continue  # another writer moved it first
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _check_replaceable(root: Path) -> None:
+    if not root.is_dir():
+        return
+    foreign = [p.name for p in root.iterdir() if not any(fnmatch(p.name, pattern) for pattern in _WRITTEN)]
+    if foreign:
+        raise FileExistsError(
+            f"{root} holds {sorted(foreign)[:3]}, which no records writer wrote: records replace the whole folder, "
+            "so give them a folder of their own"
+        )
+
+
+def _sibling(root: Path, purpose: str) -> Path:
+    """A fresh hidden name next to ``root`` (same filesystem, so renames between them are atomic)."""
+    return root.with_name(f".{root.name}.{purpose}-{uuid.uuid4().hex}")
+
+
 class PackedSurround(Dataset):
-    """Samples from a records folder written by ``write_records``; ``expect`` (a ``describe()`` dict) must match."""
+    """Samples from a records folder written by ``write_records``; ``expect`` (a ``describe()`` or
+    ``records_identity`` dict) must match what the folder was written for, and so must ``SAMPLE_FORMAT``."""
 
     def __init__(self, root, expect: dict | None = None):
         self.root = Path(root)
-        if not (self.root / META).exists():
+        meta = read_identity(self.root)
+        if meta is None:
             raise FileNotFoundError(
                 f"no surround records at {self.root} ({META} missing): write them with write_records"
             )
-        self.meta = json.loads((self.root / META).read_text())
-        if expect is not None and {k: self.meta.get(k) for k in expect} != expect:
-            differ = {k: (self.meta.get(k), v) for k, v in expect.items() if self.meta.get(k) != v}
+        asked = json.loads(json.dumps({"sample_format": SAMPLE_FORMAT, **(expect or {})}))
+        if differ := differences(meta, asked):
             raise ValueError(
-                f"records at {self.root} do not match the data asked for (field: (records, asked)): {differ}; "
-                "delete the folder or point records_dir elsewhere"
+                f"records at {self.root} were written for other settings: {differ}; rewrite them (prepare_data, "
+                "write_records) or point records_dir elsewhere"
             )
+        self.meta = meta
         self._reader, self._pid = None, None
 
     def describe(self) -> dict:
-        return {k: v for k, v in self.meta.items() if k != "format"}
+        return {k: v for k, v in self.meta.items() if k not in ("format", "sample_format")}
 
     def __len__(self) -> int:
         return self.meta["samples"]
@@ -69,10 +150,28 @@ class PackedSurround(Dataset):
             self._reader, self._pid = _READERS[self.meta["format"]](self.root), os.getpid()
         sample = self._reader(index)
         size = (self.meta["height"], self.meta["width"])
-        return check_sample(sample, f"{self.root} sample {index}", size=size, cameras=self.meta["cameras"])
+        return check_sample(sample, f"{self.root} sample {index}", size=size, cameras=len(self.meta["cameras"]))
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_reader": None, "_pid": None}
+
+
+def wait_for_records(root, expect: dict, timeout: float, poll: float = 1.0) -> PackedSurround:
+    """The records at ``root`` once they match ``expect``, waiting up to ``timeout`` seconds for another process
+    (in a multi-process run, each node's local rank 0 in ``prepare_data``) to finish writing them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return PackedSurround(root, expect)
+        except (FileNotFoundError, ValueError) as error:
+            if timeout <= 0:
+                raise
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{error} (waited {timeout:g} s, the strategy's timeout, for local rank 0's prepare_data to write "
+                    "them: see its error, or raise the strategy's timeout for a longer write)"
+                ) from error
+        time.sleep(min(poll, max(deadline - time.monotonic(), 0.0)))
 
 
 def _write_loose(samples, root: Path) -> None:
@@ -86,8 +185,12 @@ def _read_loose(root: Path):
 
 def _write_litdata(samples, root: Path) -> None:
     from litdata.streaming.writer import BinaryWriter
+    from litdata.utilities.env import _DistributedEnv
 
     writer = BinaryWriter(str(root), chunk_bytes="256MB")
+    # One process writes the whole folder. Left to detect the torch.distributed world, the writer would wait in
+    # merge() for an index from every rank, while Lightning runs prepare_data on local rank 0 only: a hang.
+    writer._distributed_env = _DistributedEnv(world_size=1, global_rank=0, num_nodes=1)
     for i, sample in enumerate(samples):
         writer[i] = sample
     writer.done()
@@ -142,4 +245,13 @@ def _read_tfrecord(root: Path):
 _WRITERS = {"loose": _write_loose, "litdata": _write_litdata, "tfrecord": _write_tfrecord}
 _READERS = {"loose": _read_loose, "litdata": _read_litdata, "tfrecord": _read_tfrecord}
 
-__all__ = ["DEFAULT_FORMAT", "FORMATS", "PackedSurround", "write_records"]
+__all__ = [
+    "DEFAULT_FORMAT",
+    "FORMATS",
+    "SAMPLE_FORMAT",
+    "PackedSurround",
+    "read_identity",
+    "records_identity",
+    "wait_for_records",
+    "write_records",
+]

@@ -157,14 +157,20 @@ class SurroundScenes(Dataset):
         self.lidar2img = projection(self.intrinsics, self.cam2ego)
 
     def describe(self) -> dict:
+        """Every setting that changes the samples (a records folder's identity)."""
         h, w = self.size
         return {
+            "source": "SurroundScenes",
             "samples": self.num_samples,
-            "cameras": len(self.cameras),
+            "cameras": list(self.cameras),
             "height": h,
             "width": w,
             "temporal": self.temporal,
+            "dt": self.dt,
             "classes": list(self.classes),
+            "seed": self.seed,
+            "max_objects": self.max_objects,
+            "distance": list(self.distance),
         }
 
     def __len__(self) -> int:

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from lightning_spatial import HorovodStrategy
+from lightning_spatial.data import SurroundSynthetic
 from lightning_spatial.strategies.horovod import import_horovod
+from tests.data.records_trainer import DATA
 from tests.strategy.lit import Images, LitModel, loader
 from tests.strategy.test_data_axis import Indexed
 from tests.strategy.test_each_sample_once import (
@@ -115,6 +117,16 @@ def test_horovod_matches_single_device_and_ddp(tmp_path):
     plain = LitModel("convnext_atto")
     plain.load_state_dict(checkpoint["state_dict"])
     assert_same_weights(plain, ours, tolerance=0)
+
+
+@pytest.mark.slow
+@needs_horovod
+def test_horovod_ranks_read_the_records_local_rank_0_rewrites(tmp_path):
+    """Records of other settings are there: local rank 0 rewrites them in prepare_data (Horovod holds no barrier
+    around it, the other rank waits at the strategy's barrier before setup) and each rank checks every batch
+    against the samples asked for."""
+    SurroundSynthetic(records_dir=str(tmp_path), **dict(DATA, distance=(4.0, 10.0))).prepare_data()
+    horovodrun(SCRIPT.with_name("records_script.py"), "--records", str(tmp_path))
 
 
 @pytest.mark.slow
