@@ -113,14 +113,15 @@ class Layout:
         return _factors(self.on(dim))
 
     def global_shape(self, local: torch.Tensor | torch.Size) -> torch.Size:
-        local = local.shape if isinstance(local, torch.Tensor) else local
+        if isinstance(local, torch.Tensor):
+            return _global_shape(self, local.shape)
         return _global_shape(self, local if isinstance(local, tuple) else tuple(local))  # a torch.Size is a tuple
 
     def cut_for(self, shape: torch.Size) -> Layout | None:
         """How a replicated tensor of ``shape`` is cut to this rank's part next to a tensor of this layout: size 1
         along a sharded dim broadcasts, the full global size is cut (the returned layout's shards); ``None``: nothing
         to cut. Anything else raises."""
-        return _cut_for(self, tuple(shape))
+        return _cut_for(self, shape)  # a torch.Size hashes and compares as the tuple of its sizes
 
     def local_shape(self, shape: Sequence[int]) -> list[int]:
         """This rank's sizes of a tensor of global ``shape`` with this layout."""
