@@ -8,7 +8,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_spatial.data import PackedSurround, SurroundScenes, SurroundSynthetic, collate_surround, write_records
-from lightning_spatial.data.benchmark import main
 from lightning_spatial.data.records import FORMATS
 
 
@@ -82,9 +81,3 @@ def test_datamodule_packs_once_and_trains_from_records(tmp_path):
     other = SurroundSynthetic(records_dir=str(tmp_path), **dict(kwargs, width=88))
     with pytest.raises(ValueError, match=r"'width': \(44, 88\)"):
         other.setup("fit")
-
-
-def test_benchmark_runs(tmp_path, capsys):
-    main(["--sizes", "8x22", "--samples", "4", "--dir", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert "render 8x22 temporal=True" in out and all(f"records {f}: write" in out for f in FORMATS)
