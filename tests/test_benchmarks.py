@@ -12,6 +12,8 @@ import pytest
 from lightning_spatial.data.records import FORMATS
 from tests.scripts import ROOT, torchrun_2
 
+pytestmark = pytest.mark.slow  # scripts run end to end in subprocesses, some under torchrun
+
 
 def test_benchmark_smoke_on_cpu(tmp_path):
     """The benchmark script runs end to end at a toy size (fake process group), into a folder it creates; no
@@ -64,7 +66,6 @@ def test_compiled_benchmark_smoke_on_cpu(tmp_path):
     assert row["compile"] == "both" and row["ours_ms"] > 0 and row["shard_ms"] > 0 and row["halo_mib_per_step"] > 0
 
 
-@pytest.mark.slow
 def test_benchmark_under_torchrun(tmp_path):
     """The N-GPU path (real halos and gradient all-reduce between processes), here gloo on 2 CPU ranks."""
     torchrun_2(
@@ -90,7 +91,6 @@ def test_petr_benchmark_smoke_on_cpu(tmp_path):
     assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows) and rows[1]["halo_mib_per_step"] > 0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, compiled", [("spatial_tp", ""), ("spatial_tp", "module"), ("spatial_tp", "backbone"), ("ddp", "")]
 )
@@ -129,7 +129,6 @@ def test_trainer_benchmark_under_torchrun(strategy, compiled, tmp_path):
         assert not profiles
 
 
-@pytest.mark.slow
 def test_benchmark_sweep_writes_one_csv_and_a_plot(tmp_path):
     """benchmarks/sweep.py as a 2-job Hydra multirun at toy size on CPU; no timing is asserted."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "sweep.py"), "-m", "device=cpu", "backbone=convnext_atto"]

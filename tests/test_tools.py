@@ -12,6 +12,8 @@ import pytest
 
 from tests.scripts import ROOT
 
+pytestmark = pytest.mark.slow  # scripts run end to end in subprocesses
+
 
 def test_window_join_smoke():
     """The halo-window join benchmark runs on CPU and both ways join the same window; no timing is asserted."""
@@ -32,7 +34,6 @@ def test_dispatch_overhead_smoke():
     assert [r[:3] for r in rows[-4:-2]] == [["gelu,", "protocol", "alone"], ["add,", "protocol", "alone"]]
 
 
-@pytest.mark.slow
 def test_petr_sweep_smoke(tmp_path):
     """tools/petr_sweep.sh on CPU: two variants side by side, two steps each; both logs, metrics and the
     per-variant summary come back. No score is asserted."""

@@ -135,6 +135,7 @@ def test_gradient_buckets_reach_the_single_device_weights(tmp_path, accumulate):
     assert_same_weights(ours, single_device(samples, 4, accumulate=accumulate))
 
 
+@pytest.mark.slow
 @needs_horovod
 def test_gradient_buckets_send_unused_parameters_as_zeros(tmp_path):
     """A bucket with a parameter some rank did not use is sent by ``synchronize``, the missing gradient as
@@ -257,6 +258,7 @@ def test_horovod_recipe(tmp_path):
     assert (tmp_path / "timeline.json").stat().st_size > 0  # the timeline option reached Horovod
 
 
+@pytest.mark.slow
 @needs_horovod
 def test_host_time_tool(tmp_path):
     """CPU smoke of tools/horovod_host.py (no timing asserted): all three ways report, the buckets several."""
