@@ -5,6 +5,10 @@ At the first training batch: the mesh (data x spatial ranks) and every batch ten
 and, for sharded ones, each rank's shard shape. At the end of training: throughput, peak memory per rank
 next to an estimate of what one device would need for the same samples, and where the checkpoint and the
 logs went. It reads the strategy defensively, so it works (data parallel only) under any strategy.
+At the end of every training epoch the run's throughput so far and the largest peak memory of a rank go to the
+Trainer's loggers (TensorBoard, CSV): ``train/images``, ``train/time``, ``train/images_per_sec`` and
+``train/peak_memory_mib``. Lightning's ``ThroughputMonitor`` would count each image once per spatial rank and
+synchronise the GPU at every batch; this counts an image once per spatial group and synchronises once per epoch.
 
 The one-device figure is an *estimate*: model state (parameters, gradients, optimizer state) plus the
 activations that spatial group 0's ranks saved for backward in the first training step, added up (their
@@ -88,9 +92,30 @@ class SpatialSummary(L.Callback):
             _sync(pl_module.device)
             self._val_seconds += time.perf_counter() - self._val_start
 
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._start is None:
+            return
+        ranks = self._gather_progress(pl_module)
+        if trainer.is_global_zero:
+            images, seconds = _images_and_seconds(trainer, ranks)
+            metrics = {
+                "train/images": images,
+                "train/time": seconds,
+                "train/images_per_sec": images / seconds,
+                "train/peak_memory_mib": max(r["peak"] for r in ranks) / MIB,
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._start is None:
             return
+        ranks = self._gather_progress(pl_module)
+        if trainer.is_global_zero:
+            self._print_end(trainer, pl_module, ranks)
+
+    def _gather_progress(self, pl_module: L.LightningModule) -> list[dict]:
+        """Every rank's training images, seconds (validation excluded), peak memory and saved activations so far."""
         _sync(pl_module.device)
         mine = {
             "images": self._images,
@@ -98,9 +123,7 @@ class SpatialSummary(L.Callback):
             "peak": _peak_bytes(pl_module.device),
             "saved": self._saved_bytes,
         }
-        ranks = _gather(mine)
-        if trainer.is_global_zero:
-            self._print_end(trainer, pl_module, ranks)
+        return _gather(mine)
 
     def _print_start(self, trainer: L.Trainer, batch: Any) -> None:
         leaves = [(keystr(path), leaf) for path, leaf in tree_flatten_with_path(batch)[0]]
@@ -122,10 +145,8 @@ class SpatialSummary(L.Callback):
         _print(trainer, "\n".join(lines))
 
     def _print_end(self, trainer: L.Trainer, pl_module: L.LightningModule, ranks: list[dict]) -> None:
-        dims = getattr(trainer.strategy, "dims", None)
-        spatial = dims.spatial_size if dims is not None else 1
-        images = sum(r["images"] for r in ranks) / spatial  # a spatial group's ranks see the same images
-        seconds = max(r["seconds"] for r in ranks)
+        spatial = _spatial_size(trainer)
+        images, seconds = _images_and_seconds(trainer, ranks)
         state = _model_state_bytes(trainer, pl_module)
         saved = [r["saved"] for r in ranks]
         one_device = state + sum(saved[:spatial])
@@ -141,6 +162,17 @@ class SpatialSummary(L.Callback):
         ]
         lines += _paths(trainer)
         _print(trainer, "\n".join(lines))
+
+
+def _spatial_size(trainer: L.Trainer) -> int:
+    dims = getattr(trainer.strategy, "dims", None)
+    return dims.spatial_size if dims is not None else 1
+
+
+def _images_and_seconds(trainer: L.Trainer, ranks: list[dict]) -> tuple[float, float]:
+    """Training images of the run so far, each once (a spatial group's ranks see the same images), and the
+    slowest rank's training seconds."""
+    return sum(r["images"] for r in ranks) / _spatial_size(trainer), max(r["seconds"] for r in ranks)
 
 
 def _mesh(trainer: L.Trainer) -> str:

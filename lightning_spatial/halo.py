@@ -161,7 +161,7 @@ def _laid_out_like(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     every backend takes, and what sender and receiver agree on whatever their shards' strides); a channels_last
     window is joined from channels_last pieces: with NCHW halos among them, the ``cat`` ran up to 12x slower
     (H200, bf16, ConvNeXt-XL's first stage at S = 8: 843 us, against 70 us with the halos' copies;
-    recipes/bench_window.py)."""
+    tools/bench_window.py)."""
     if t.stride() == _strides_like(like.stride(), tuple(t.shape)):
         return t
     return empty_as(like, list(t.shape)).copy_(t)

@@ -1,4 +1,4 @@
-"""recipes/bench_attention.py runs end to end on CPU at toy size (its split path agrees with torch, its "gather"
+"""tools/bench_attention.py runs end to end on CPU at toy size (its split path agrees with torch, its "gather"
 baseline really gathers; no timing)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ TOY = "--device cpu --queries 8 --dim 16 --heads 2 --ffn 32 --cameras 2 --height
 
 @pytest.mark.slow
 def test_bench_attention_smoke(tmp_path):
-    cmd = [sys.executable, str(ROOT / "recipes" / "bench_attention.py"), *TOY.split(), "--steps", "1", "--warmup", "0"]
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_attention.py"), *TOY.split(), "--steps", "1", "--warmup", "0"]
     done = subprocess.run([*cmd, "--check", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "max relative error" in done.stdout

@@ -1,7 +1,9 @@
-"""SpatialSummary: what it counts (saved activations), and what it prints on one device and on 2 spatial ranks."""
+"""SpatialSummary: what it counts (saved activations), and what it prints and logs on one device and on 2 spatial
+ranks."""
 
 from __future__ import annotations
 
+import csv
 import re
 
 import lightning as L
@@ -25,8 +27,8 @@ def test_saved_activations_are_the_distinct_tensors_autograd_keeps_without_param
 
 
 def test_images_are_counted_in_the_image_tensor_not_in_the_camera_matrices():
-    """A surround batch whose camera matrices come first (B, N, 4, 4) counts its B x N images (the session-6 GPU
-    log said 3.6 images/s where 6 cameras made 21.6)."""
+    """A surround batch whose camera matrices come first (B, N, 4, 4) counts its B x N images (a PETR log
+    once said 3.6 images/s where 6 cameras made 21.6)."""
     surround = {
         "lidar2img": torch.randn(2, 6, 4, 4),
         "images": torch.randn(2, 6, 3, 8, 16),
@@ -75,7 +77,7 @@ def test_summary_on_one_device(tmp_path, capsys):
 def test_summary_on_two_spatial_ranks(tmp_path, capfd):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
-    _fit(tmp_path, 2, 36, epochs=1, ddp_comm_hook=fp16_compress_hook)
+    _fit(tmp_path, 2, 36, ddp_comm_hook=fp16_compress_hook)
     out = capfd.readouterr().out
     assert "gradient all-reduce: DDP comm hook fp16_compress_hook\n" in out  # registered on CPU too
     assert out.count("mesh: ") == 1  # rank 0 prints
@@ -83,11 +85,20 @@ def test_summary_on_two_spatial_ranks(tmp_path, capfd):
     assert "batch['image'] (4, 3, 16, 36) sharded: (4, 3, 16, 18) on ranks 0,1" in out
     assert "batch['mask'] (4, 16, 36) sharded: (4, 16, 18) on ranks 0,1" in out
     assert "batch['label'] (4,) not sharded" in out
-    assert "(8 training images in" in out  # a spatial group's ranks see the same 8, counted once
-    assert re.search(r"peak memory per rank \(peak RSS of the process\): r0 [\d.]+ MiB, r1 [\d.]+ MiB", out)
+    assert "(16 training images in" in out  # a spatial group's ranks see the same 8 a epoch, counted once
+    peaks = re.findall(r"peak memory per rank \(peak RSS of the process\): r0 ([\d.]+) MiB, r1 ([\d.]+) MiB", out)
+    assert len(peaks) == 1
     model, saved = _mib(re.findall(r"rank 0: model state .*", out)[0])
     one = _mib(re.findall(r"one device, same images .*", out)[0])[-1]
     assert model + saved < one < model + 2.5 * saved  # plus rank 1's half of the activations
+    # the same figures reach the loggers at the end of each epoch (2 steps of 4 images): the run so far
+    logged = [r for r in csv.DictReader((tmp_path / "csv" / "metrics.csv").open()) if r.get("train/images")]
+    assert [(int(r["step"]), float(r["train/images"])) for r in logged] == [(2, 8.0), (4, 16.0)]
+    for r in logged:
+        rate, images, seconds = (float(r[k]) for k in ("train/images_per_sec", "train/images", "train/time"))
+        assert seconds > 0 and rate == pytest.approx(images / seconds, rel=1e-9)
+    memory = [float(r["train/peak_memory_mib"]) for r in logged]
+    assert 0 < memory[0] <= memory[1] <= max(map(float, peaks[0])) + 0.05  # the peak so far, of the larger rank
 
 
 class _AgreeOnTrue(L.Callback):

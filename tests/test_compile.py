@@ -70,6 +70,7 @@ def _compiled_case(layout, name, backend, eager_first=False):
     assert "lightning_spatial.exchange.default" in _ops(_graphs[0]), _ops(_graphs[0])  # halos are graph ops
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout,name,backend,eager_first",
     [
@@ -77,7 +78,7 @@ def _compiled_case(layout, name, backend, eager_first=False):
         ("2x2", "resnet10t", "aot_eager", False),
         ("h2", "convnext_atto", "aot_eager", False),
         ("w2", "tiny", "aot_eager", True),
-        pytest.param("w2", "tiny", "inductor", False, marks=pytest.mark.slow),
+        ("w2", "tiny", "inductor", False),
     ],
 )
 def test_a_compiled_model_gives_the_eager_outputs_and_gradients_on_shards(layout, name, backend, eager_first):
@@ -153,6 +154,7 @@ def _nested_case(layout, op):
     check(lambda x: compiled(x) if isinstance(x, SpatialTensor) else ops[op](x), [x], sharded=[0], axes=axes(layout))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["w3", "2x2"])
 @pytest.mark.parametrize("op", ["topk", "attention"])
 def test_handlers_that_call_torch_on_shards_are_traced_through(layout, op):
@@ -197,6 +199,7 @@ def _input_write_case(layout, requires_grad):
     torch.testing.assert_close(gather(out), expected, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("layout", ["w3", "2x2"])
 def test_a_compiled_graph_writes_its_result_into_a_shard_it_was_given(layout, requires_grad):
@@ -299,6 +302,7 @@ def _outside_case():
     assert _graphs
 
 
+@pytest.mark.slow
 def test_compiling_over_shards_needs_no_strategy():
     run_spmd(_outside_case, 2)
 

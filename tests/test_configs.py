@@ -98,7 +98,7 @@ def test_the_gpu_experiment_is_what_its_comment_says(tmp_path):
     assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.strategy.spatial_size) == ("gpu", 8, 4)
 
 
-# The overrides of the run in docs/bev.md (session 10) that made petr_convnext learn on one H200.
+# The overrides of the run in docs/bev.md (2026-11-30, 330fa4b) that made petr_convnext learn on one H200.
 CARS_RUN = (
     "model.embed_dims=32 model.num_layers=2 model.num_heads=4 model.ffn_dims=64 model.num_queries=100 model.lr=5e-4 "
     "model.num_classes=1 model.metric.classes=[car] data.classes=[car] data.max_objects=10 data.distance=[4.0,24.0] "
@@ -190,7 +190,7 @@ class SlowSteps(WorseningLoss):
 
 def test_last_checkpoint_holds_the_step_where_the_time_limit_stopped(tmp_path):
     """max_time stops inside the first epoch (10 steps of 0.2 s, 1 s allowed): Lightning validates as it stops,
-    so last.ckpt holds that step (a time-limited job on the device tool or SLURM resumes where it stopped)."""
+    so last.ckpt holds that step (a time-limited job, on SLURM or elsewhere, resumes where it stopped)."""
     cfg = _compose("trainer.devices=1", "trainer.logger=null", out=tmp_path)
     data = torch.utils.data.DataLoader(torch.randn(20, 2), batch_size=2)
     trainer = instantiate(cfg.trainer, strategy="auto", enable_progress_bar=False, max_time="00:00:00:01")

@@ -1,8 +1,10 @@
 """The docs claim only what exists: every spatial handler is listed in docs/ops.md, every test ops.md cites
-exists and is parametrised on the layouts its row claims, and README's test command is the one CI runs."""
+exists and is parametrised on the layouts its row claims, README's test command is the one CI runs, and every
+performance figure README quotes is the result row it cites."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -122,3 +124,122 @@ def test_readme_test_command_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     command = next(line for line in readme.splitlines() if "-m pytest" in line and not line.startswith("#"))
     assert command in (ROOT / ".ci" / "run").read_text().splitlines(), command
+
+
+# README's performance figures: each table row cites its result rows, and every number in it is recomputed from them.
+README = (ROOT / "README.md").read_text()
+RESULTS = ROOT / "benchmarks" / "results"
+RESULT_NAME = re.compile(r"\d{4}-\d{2}-\d{2}_(h200|2xh200|cpu)_[0-9a-f]{7,40}_[\w.+-]+\.(jsonl|json|csv|png)")
+CITATION = re.compile(r"\]\((benchmarks/results/[^)#\s]+)(?:#([^)\s]*))?\)")
+BASELINES = {"shard": "shard alone", "one device": "one device"}
+
+
+def _memory(row: dict, side: str) -> float:
+    """A side's peak: the reserved memory where CUDA graphs hold their pool (as the benchmark compares), else
+    the allocated."""
+    graphed = row.get("graphs", "none") in ("ours", "both")
+    return row[f"{side}_reserved_gib"] if graphed else row[f"{side}_gib"]
+
+
+# Column title -> the value it shows, from the rows a table row cites (in citation order).
+COLUMNS = {
+    "S": lambda rows: rows[-1]["spatial"],
+    "GiB per rank": lambda rows: _memory(rows[-1], "ours"),
+    "baseline": lambda rows: BASELINES[rows[-1]["baseline"]],
+    "baseline GiB": lambda rows: _memory(rows[-1], "shard"),
+    "x baseline, time": lambda rows: rows[-1]["time_ratio"],
+    "one GPU ms": lambda rows: rows[0]["shard_ms"],
+    "one GPU GiB": lambda rows: rows[0]["shard_gib"],
+    "two GPUs ms": lambda rows: rows[-1]["ours_ms"],
+    "efficiency": lambda rows: rows[0]["shard_ms"] / (rows[-1]["spatial"] * rows[-1]["ours_ms"]),
+}
+# Phrases of a row's description -> what the cited row must say.
+DESCRIBED = {
+    r"\bfp32\b": lambda row: row["precision"] == "fp32",
+    r"\bbf16\b": lambda row: row["precision"] == "bf16",
+    r"\bConvNeXt-XL\b": lambda row: row["model"] == "convnext_xlarge",
+    r"\bPETR\b": lambda row: row["model"] == "petr",
+    r"\beager$": lambda row: row.get("compile", "none") == "none" and row.get("graphs", "none") == "none",
+    r"\bcompiled\b": lambda row: row.get("compile", "none") != "none",
+    r"\bCUDA graphs\b": lambda row: row.get("graphs", "none") != "none",
+    r"\(both sides\)": lambda row: {row.get("compile", "none"), row.get("graphs", "none")} <= {"both", "none"},
+    r"\beager shard alone\b": lambda row: "both" not in (row.get("compile", "none"), row.get("graphs", "none")),
+    r"\bNCCL\b": lambda row: row["backend"] == "nccl",
+}
+
+
+def _section(text: str, title: str) -> str:
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else None]
+
+
+def _tables(text: str) -> list[list[list[str]]]:
+    """Markdown tables as lists of rows of cells (the separator row dropped)."""
+    tables, current = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not set("".join(cells)) <= set("-: "):
+                current.append(cells)
+        elif current:
+            tables, current = tables + [current], []
+    return tables
+
+
+def _cited(cell: str) -> list[dict]:
+    """The result rows a cell links to: ``file.jsonl#L<line>`` or ``file.json#/rows/<index>`` (a JSON pointer)."""
+    rows = []
+    for path, fragment in CITATION.findall(cell):
+        file = ROOT / path
+        assert file.exists() and RESULT_NAME.fullmatch(file.name), f"README cites {path}: missing or misnamed"
+        if file.suffix == ".jsonl":
+            line = int(re.fullmatch(r"L(\d+)", fragment)[1])
+            rows.append(json.loads(file.read_text().splitlines()[line - 1]))
+        else:
+            node = json.loads(file.read_text())
+            for key in fragment.strip("/").split("/"):
+                node = node[int(key)] if isinstance(node, list) else node[key]
+            rows.append(node)
+    return rows
+
+
+def _agrees(cell: str, value) -> bool:
+    """The cell shows ``value`` as written: text as is, a number rounded to the cell's own decimals."""
+    if isinstance(value, str):
+        return cell == value
+    written = re.fullmatch(r"\*{0,2}(\d+(?:\.(\d+))?)\*{0,2}", cell)
+    return written is not None and f"{value:.{len(written[2] or '')}f}" == written[1]
+
+
+def test_readme_performance_figures_are_the_result_rows_they_cite():
+    tables = _tables(_section(README, "Performance"))
+    assert tables, "README's performance section has no table"
+    for header, *body in tables:
+        *columns, source = header
+        unknown = [c for c in columns[1:] if c not in COLUMNS]
+        assert source in ("row", "rows") and not unknown, f"README table columns without a rule here: {unknown}"
+        for cells in body:
+            rows = _cited(cells[-1])
+            assert rows, f"README performance row {cells[0]!r} cites no result row"
+            for phrase, holds in DESCRIBED.items():
+                assert not re.search(phrase, cells[0]) or holds(rows[-1]), f"{cells[0]!r}, {phrase!r}: {rows[-1]}"
+            for title, cell in zip(columns[1:], cells[1:-1]):
+                value = COLUMNS[title](rows)
+                assert _agrees(cell, value), f"README {cells[0]!r}, {title!r}: {cell!r}, but its rows give {value}"
+
+
+# A measured figure: a number with a unit of time, memory, speed or a ratio, or a detection score.
+FIGURE = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|s|GiB|MiB|GB|us|images/s)\b|\b\d+\.\d+x|\b\d+\.\d+%|\b(?:mAP|NDS) \d")
+
+
+def test_readme_quotes_figures_only_in_its_checked_tables():
+    prose = re.sub(r"```.*?```", "", README, flags=re.S)  # commands and their comments
+    prose = "\n".join(line for line in prose.splitlines() if not line.startswith("|"))
+    assert not FIGURE.findall(prose), f"README quotes figures outside its performance tables: {FIGURE.findall(prose)}"
+    assert not re.search(r"\b\d+ tests\b", README), "README states a test count (it drifts; pytest prints it)"
+
+
+def test_result_files_are_named_by_date_device_and_commit():
+    misnamed = [p.name for p in RESULTS.iterdir() if not RESULT_NAME.fullmatch(p.name)]
+    assert not misnamed, f"benchmarks/results/<date>_<h200|2xh200|cpu>_<commit>_<what>.<ext>: {misnamed}"

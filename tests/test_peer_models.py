@@ -4,7 +4,7 @@ backbone under torchvision's ``FeaturePyramidNetwork``, unchanged, in train mode
 gradient and every buffer (BatchNorm running statistics) on shards equal the single-process model's, with
 fallbacks turned into errors: no op gathers.
 
-Both meet the pattern of issue 17: a map pooled to 1x1 (replicated), resized to a sharded map's size with
+Both meet a common pattern: a map pooled to 1x1 (replicated), resized to a sharded map's size with
 ``F.interpolate(size=x.shape[-2:])`` and joined with sharded maps (DeepLabV3's ASPP image pooling: ``torch.cat``;
 the FPN's global-context level: the top-down add). float64, float64 tolerance (``oracle.RTOL_FLOAT64``).
 """
@@ -24,8 +24,8 @@ from lightning_spatial import SpatialTensor, fallback_mode
 from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
+pytestmark = pytest.mark.slow  # whole models in float64 on 2 and 4 ranks: 5-55 s each on 2 cores
 SEGMENTATION = torchvision.models.list_models(module=torchvision.models.segmentation)
-SLOW = {"deeplabv3_resnet50", "deeplabv3_resnet101", "fcn_resnet50", "fcn_resnet101"}  # 15-55 s each on 2 cores
 # DeepLabV3's single-process float64 reference is itself noisier than RTOL_FLOAT64: the ASPP image-pooling branch
 # normalises a 1x1 map over 2 samples and BatchNorm after the projection removes the batch mean, so its gradients
 # cancel. One process, contiguous vs channels_last (a mere reordering), worst parameter gradient: 4.4e-12 relative
@@ -73,7 +73,7 @@ def _case(layout: str, build, name: str) -> None:
 
 
 @pytest.mark.parametrize("layout", ["w2", "2x2"])
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n in SLOW)) for n in SEGMENTATION])
+@pytest.mark.parametrize("name", SEGMENTATION)
 def test_torchvision_segmentation_models_train_spatially_and_exactly(name, layout):
     run_spmd(_case, LAYOUTS[layout][0], layout, _segmentation, name, timeout=600)
 

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
-import os
 import re
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.scripts import ROOT, torchrun_2
+
 TOY = [
     "data.num_samples=8",
     "data.val_samples=4",
@@ -60,17 +58,6 @@ def final_metrics(out: str) -> list[dict[str, float]]:
 def summary(out: str, key: str) -> list[str]:
     """The ``key: ...`` lines that the SpatialSummary callback printed (the progress bar's \\r split off)."""
     return re.findall(rf"^\s*{re.escape(key)}: (.*)$", out.replace("\r", "\n"), re.M)
-
-
-def torchrun_2(script: str, *args: str, cwd: Path | None = None) -> str:
-    """Run ``recipes/<script>`` on 2 processes under torchrun (rendezvous on this machine); its stdout."""
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
-    done = subprocess.run(
-        [*cmd, str(ROOT / "recipes" / script), *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
 
 
 @pytest.mark.slow
@@ -126,166 +113,12 @@ def test_multirun_sweep(tmp_path):
     assert [m.split(" (")[0] for m in meshes] == ["2 rank(s) = data 2 x spatial 1", "2 rank(s) = data 1 x spatial 2"]
 
 
-def test_benchmark_smoke_on_cpu(tmp_path):
-    """The benchmark script runs end to end at a toy size (fake process group), into a folder it creates; no
-    timing is asserted."""
-    out = tmp_path / "rows"
-    cmd = [
-        sys.executable,
-        str(ROOT / "recipes" / "benchmark.py"),
-        "--device",
-        "cpu",
-        "--model",
-        "convnext_atto",
-        "--batch",
-        "1",
-        "--height",
-        "64",
-        "--widths",
-        "256",
-        "--spatial",
-        "2,4",
-        "--layouts",
-        "width,tiles",
-        "--steps",
-        "1",
-        "--warmup",
-        "0",
-        "--out",
-        str(out),
-        *("--graphs", "both", "--profile"),  # graphs run eagerly off CUDA; the profile is the host's
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
-    assert [(r["spatial"], r["tiles"]) for r in rows] == [(2, "1x2"), (2, "1x2"), (4, "1x4"), (4, "2x2")]
-    assert all(r["halo_mib_per_step"] > 0 and r["ours_ms"] > 0 and r["zero_grad"] == "after_forward" for r in rows)
-    assert all(r["graphs"] == "both" and r["profile"][0]["wall"] > 0 and r["shard_profile"]["wall"] > 0 for r in rows)
-    # copies by the op that made them: DDP's into its buckets in our step only (the shard alone runs without DDP)
-    assert all("torch::distributed::reducer::copy_" in r["profile"][0]["copies"] for r in rows)
-    assert not any("torch::distributed::reducer::copy_" in r["shard_profile"]["copies"] for r in rows)
-
-
-def test_compiled_benchmark_smoke_on_cpu(tmp_path):
-    """``--compile both``: inductor compiles the shard-only model and our spatial step (one rank of a fake group)."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), "--device", "cpu", "--model", "convnext_atto"]
-    cmd += ["--batch", "1", "--height", "64", "--widths", "256", "--spatial", "2", "--compile", "both"]
-    cmd += ["--steps", "1", "--warmup", "1", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (row,) = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    assert row["compile"] == "both" and row["ours_ms"] > 0 and row["shard_ms"] > 0 and row["halo_mib_per_step"] > 0
-
-
-@pytest.mark.slow
-def test_benchmark_under_torchrun(tmp_path):
-    """The N-GPU path (real halos and gradient all-reduce between processes), here gloo on 2 CPU ranks."""
-    torchrun_2(
-        "benchmark.py",
-        *("--device", "cpu", "--model", "convnext_atto", "--batch", "1", "--height", "64", "--widths", "256"),
-        *("--spatial", "2", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)),
-    )
-    (row,) = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    assert row["backend"] == "gloo" and row["rank"] == 0  # one row, written by rank 0
-    assert row["spatial"] == 2 and row["halo_mib_per_step"] > 0 and row["ours_ms"] > 0 and row["shard_ms"] > 0
-
-
-def test_petr_benchmark_smoke_on_cpu(tmp_path):
-    """The surround-camera detector task of the benchmark: one device, then one rank of 2 (fake group)."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), "--device", "cpu", "--model", "petr_tiny"]
-    cmd += ["--cameras", "2", "--batch", "1", "--height", "64", "--widths", "176", "--spatial", "1,2"]
-    done = subprocess.run(
-        [*cmd, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    assert [(r["spatial"], r["baseline"]) for r in rows] == [(1, "one device"), (2, "one device")]
-    assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows) and rows[1]["halo_mib_per_step"] > 0
-
-
-def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
-    """``--fake-world``: one process plays rank 1 of a 3-rank width split through the Trainer (the fake backend), and
-    ``--baseline shard`` runs the plain model alone on that rank's 32 of 96 columns first; no timing is asserted."""
-    args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", "convnext_atto", "--height", "32"]
-    args += ["--width", "96", "--fake-world", "3", "--baseline", "shard", "--steps", "2", "--warmup", "1"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "bench_trainer.py"), *args, "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
-    assert row["world"] == 3 and row["rank"] == 1 and row["baseline_run"]["world"] == 1
-    assert row["time_vs_baseline"] == round(row["step_ms"] / row["baseline_run"]["step_ms"], 3)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "strategy, compiled", [("spatial_tp", ""), ("spatial_tp", "module"), ("spatial_tp", "backbone"), ("ddp", "")]
-)
-def test_trainer_benchmark_under_torchrun(strategy, compiled, tmp_path):
-    """Step time through the Trainer (module, DataLoader, collate hook) on 2 gloo ranks, eager or compiled
-    (inductor: the whole module, or the backbone in place under ``--cuda-graphs``); no timing is asserted."""
-    args = [
-        "--accelerator",
-        "cpu",
-        "--strategy",
-        strategy,
-        "--model",
-        "convnext_atto",
-        "--height",
-        "32",
-        "--width",
-        "64",
-    ]
-    profile = ["--profile"] if strategy == "ddp" else []
-    graphs = ["--cuda-graphs", "backbone"] if strategy == "spatial_tp" and compiled != "module" else []  # eager on CPU
-    compile_ = ["--compile", compiled] if compiled == "backbone" else ["--compile"] if compiled else []
-    torchrun_2(
-        "bench_trainer.py", *args, *profile, *graphs, *compile_, "--steps", "2", "--warmup", "1", "--out", str(tmp_path)
-    )
-    (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
-    assert row["world"] == 2 and row["strategy"] == strategy and row["step_ms"] > 0 and row["compile"] == compiled
-    assert (row["compiled_graphs"] > 0) == bool(compiled)
-    assert row["cuda_graphs"] == ("auto" if strategy == "ddp" or compiled == "module" else "backbone")
-    assert row["step_ms_range"][0] <= row["step_ms"] <= row["step_ms_range"][1]
-    assert row["threads"] == 1  # torchrun's OMP_NUM_THREADS=1
-    profiles = list(tmp_path.glob("profile_*.txt"))
-    if profile:  # rank 0's first timed step, by host time
-        assert len(profiles) == 1 and profiles[0].name.startswith("profile_ddp_convnext_atto_32-true_")
-        header, table = profiles[0].read_text().split("\n", 1)
-        assert json.loads(header)["strategy"] == "ddp" and "aten::convolution" in table
-    else:
-        assert not profiles
-
-
-def test_window_join_smoke():
-    """The halo-window join benchmark runs on CPU and both ways join the same window; no timing is asserted."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "bench_window.py"), "--device", "cpu", "--batch", "1"]
-    done = subprocess.run([*cmd, "--calls", "1", "--dtype", "float32"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("\n") == 5  # a header and four stages
-
-
-def test_dispatch_overhead_smoke():
-    """The per-op host-time script runs every op on plain and sharded tensors; no timing is asserted."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "dispatch_overhead.py"), "--calls", "20", "--repeats", "1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines()[1:]]
-    assert len(rows) == 14 and [r[1] for r in rows[-2:]] == ["forward", "fwd+bwd"]
-    assert ["gelu,", "as", "nn.GELU", "calls", "it"] in [r[:5] for r in rows]  # the module path, options by keyword
-    assert [r[:3] for r in rows[-4:-2]] == [["gelu,", "protocol", "alone"], ["add,", "protocol", "alone"]]
-
-
 @pytest.mark.slow
 def test_train_recipe_under_torchrun(tmp_path):
     """Launched by torchrun, Lightning's TorchElasticEnvironment supplies the ranks (as on a GPU cluster), whatever
     the config's start_method (conf/strategy/spatial_tp.yaml's fork: each torchrun process forked 2 more, and
     their gloo groups broke with "Connection reset by peer")."""
-    out = torchrun_2("train.py", *TOY, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    out = torchrun_2("recipes/train.py", *TOY, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert len(final_metrics(out)) == 2  # one line per process
     assert [m.split(" (")[0] for m in summary(out, "mesh")] == ["2 rank(s) = data 1 x spatial 2"]  # rank 0 only
 
@@ -307,20 +140,6 @@ def test_sweep_on_submitit_local_launcher(tmp_path):
         assert "val_loss" in (tmp_path / job / "csv" / "metrics.csv").read_text()
         seeds.add((tmp_path / job / ".hydra" / "overrides.yaml").read_text().split("seed=")[1].split()[0])
     assert seeds == {"0", "1"}
-
-
-@pytest.mark.slow
-def test_benchmark_sweep_writes_one_csv_and_a_plot(tmp_path):
-    """recipes/bench_sweep.py as a 2-job Hydra multirun at toy size on CPU; no timing is asserted."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "bench_sweep.py"), "-m", "device=cpu", "backbone=convnext_atto"]
-    cmd += ["batch=1", "height=64", "width=256", "spatial=1,2", "steps=1", "warmup=0", f"hydra.sweep.dir={tmp_path}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
-    assert [(r["spatial"], r["tiles"]) for r in rows] == [("1", "1x1"), ("2", "1x2")]
-    assert all(float(r["ours_ms"]) > 0 and float(r["shard_ms"]) > 0 for r in rows)
-    assert float(rows[0]["halo_mib_per_step"]) == 0 < float(rows[1]["halo_mib_per_step"])
-    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow
@@ -388,31 +207,3 @@ def test_a_run_resumes_from_its_last_checkpoint(tmp_path):
     assert scored[0][0] == 0 and scored[: len(before)] == before, (before, scored)  # untrained, ..., at the stop
     resumed = scored[len(before)][1]  # the second run's first validation: the weights saved at the stop
     assert resumed == pytest.approx(before[-1][1], rel=1e-6), (before, scored)
-
-
-@pytest.mark.slow
-def test_petr_sweep_smoke(tmp_path):
-    """recipes/petr_sweep.sh on CPU: two variants side by side, two steps each; both logs, metrics and the
-    per-variant summary come back. No score is asserted."""
-    variants = tmp_path / "variants.txt"
-    variants.write_text("# comment lines are skipped\nq100_lr5e-4\nfew model.num_queries=30\n")
-    env = {
-        **os.environ,
-        "DEV": "cpu",
-        "ACC": "cpu",
-        "MINUTES": "5",
-        "VAL_EVERY": "1",
-        "OUT": str(tmp_path),
-        "RUNS": str(tmp_path / "runs"),
-        "EXTRA": "data.num_samples=8 data.val_samples=4 +trainer.max_steps=2 data.num_workers=0",
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
-    done = subprocess.run(
-        ["bash", str(ROOT / "recipes" / "petr_sweep.sh"), str(variants)], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()}
-    assert set(lines) == {"q100_lr5e-4", "few"} and all(lines.values()), done.stdout
-    with tarfile.open(tmp_path / "sweep.tgz") as tar:
-        names = tar.getnames()
-    assert "runs/few/csv/metrics.csv" in names and "runs.q100_lr5e-4.log" in names, names

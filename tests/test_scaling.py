@@ -1,5 +1,5 @@
-"""recipes/scaling.py: the multi-GPU scaling grid, rehearsed on CPU under torchrun (gloo); no timing is asserted.
-And the profile summary of recipes/benchmark.py: which kernel is which kind of work, how intervals add up."""
+"""benchmarks/scaling.py: the multi-GPU scaling grid, rehearsed on CPU under torchrun (gloo); no timing is asserted.
+And the profile summary of benchmarks/spatial_step.py: which kernel is which kind of work, how intervals add up."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-import benchmark  # noqa: E402 - a script beside its helpers, not a package
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import spatial_step  # noqa: E402 - a script beside its helpers, not a package
 
 PROFILE_KEYS = {"wall", "idle", "copies"} | {
     f"{k}{e}" for k in ("halo", "collective", "compute") for e in ("", "_exposed")
@@ -34,12 +34,12 @@ PROFILE_KEYS = {"wall", "idle", "copies"} | {
     ],
 )
 def test_profile_kinds(name, cuda, kind):
-    assert benchmark._kind(name, cuda) == kind
+    assert spatial_step._kind(name, cuda) == kind
 
 
 def test_covered_counts_overlaps_once():
-    assert benchmark._covered([]) == 0
-    assert benchmark._covered([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (2.5, 2.75), (6.0, 6.5)]) == 5.0
+    assert spatial_step._covered([]) == 0
+    assert spatial_step._covered([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (2.5, 2.75), (6.0, 6.5)]) == 5.0
 
 
 class _GradientsSeenByForward(torch.nn.Linear):
@@ -64,7 +64,7 @@ def test_benchmark_steps_free_gradients_where_they_say(zero_grad, seen):
     model = _GradientsSeenByForward(3, 2)
     model.seen = []
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = benchmark.train_step(
+    step = spatial_step.train_step(
         Task(), model, optimizer, lambda: torch.randn(4, 3), "fp32", torch.device("cpu"), zero_grad
     )
     fresh = []  # each backward's own gradient: what .grad holds after it unless gradients accumulate
@@ -78,7 +78,7 @@ def test_benchmark_steps_free_gradients_where_they_say(zero_grad, seen):
 @pytest.mark.slow
 def test_scaling_rehearsal_on_4_ranks(tmp_path):
     """The whole grid at toy size, 4 gloo ranks: baselines, S = 4 (width, 2x2) and D = 2 x S = 2, both precisions."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "scaling.py"), "--device", "cpu", "--gpus", "4", "--toy"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--device", "cpu", "--gpus", "4", "--toy"]
     done = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "scaling.json").read_text())
@@ -120,7 +120,7 @@ def test_scaling_rehearsal_on_4_ranks(tmp_path):
 @pytest.mark.slow
 def test_scaling_one_part_one_precision(tmp_path):
     """--parts / --precisions narrow the grid (a bf16 row on a short device call): its baseline comes along."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "scaling.py"), "--device", "cpu", "--gpus", "2", "--toy"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--device", "cpu", "--gpus", "2", "--toy"]
     cmd += ["--parts", "convnext", "--precisions", "bf16", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

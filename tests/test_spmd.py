@@ -23,6 +23,7 @@ def _a_fresh_interpreter_per_rank():
     assert total.item() == 3.0
 
 
+@pytest.mark.slow
 def test_ranks_are_spawned_once_this_process_used_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(sys.modules[__name__], "_SET_IN_THE_PARENT", True)

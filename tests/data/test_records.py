@@ -22,7 +22,6 @@ from lightning_spatial.data import (
     collate_surround,
     write_records,
 )
-from lightning_spatial.data.benchmark import main
 from lightning_spatial.data.records import FORMATS, SAMPLE_FORMAT, read_identity, wait_for_records
 
 
@@ -99,13 +98,6 @@ def test_datamodule_packs_once_and_trains_from_records(tmp_path):
     other = SurroundSynthetic(records_dir=str(tmp_path), **dict(kwargs, width=88))
     with pytest.raises(ValueError, match=r"width \(records: 44, asked: 88\)"):
         other.setup("fit")
-
-
-def test_benchmark_runs(tmp_path, capsys):
-    main(["--sizes", "8x22", "--samples", "4", "--dir", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert "render 8x22 temporal=True" in out and all(f"records {f}: write" in out for f in FORMATS)
-    assert out.count("2 ranks cold") == len(FORMATS)
 
 
 def _scenes(seed: int = 0, samples: int = 3) -> SurroundScenes:

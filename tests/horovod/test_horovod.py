@@ -155,6 +155,7 @@ def test_gradient_buckets_reach_the_single_device_weights(tmp_path, accumulate):
     assert_same_weights(ours, single_device(samples, 4, accumulate=accumulate))
 
 
+@pytest.mark.slow
 @needs_horovod
 def test_gradient_buckets_send_unused_parameters_as_zeros(tmp_path):
     """A bucket with a parameter some rank did not use is sent by ``synchronize``, the missing gradient as
@@ -186,9 +187,7 @@ def test_horovod_trains_petr_to_the_single_device_weights(tmp_path):
     assert_same_weights(ours, reference, tolerance=1e-10)
 
 
-needs_two_gpus = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL (the device tool's nvidia-h200-x2 kind runs it)"
-)
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")
 
 
 @needs_horovod
@@ -279,11 +278,12 @@ def test_horovod_recipe(tmp_path):
     assert (tmp_path / "timeline.json").stat().st_size > 0  # the timeline option reached Horovod
 
 
+@pytest.mark.slow
 @needs_horovod
-def test_host_time_recipe(tmp_path):
-    """CPU smoke of recipes/horovod_host.py (no timing asserted): all three ways report, the buckets several."""
-    recipe = Path(__file__).parents[2] / "recipes" / "horovod_host.py"
-    done = horovodrun(recipe, "--steps", "2", "--parameters", "40", "--bucket-mb", "0.004", cwd=tmp_path)
+def test_host_time_tool(tmp_path):
+    """CPU smoke of tools/horovod_host.py (no timing asserted): all three ways report, the buckets several."""
+    tool = Path(__file__).parents[2] / "tools" / "horovod_host.py"
+    done = horovodrun(tool, "--steps", "2", "--parameters", "40", "--bucket-mb", "0.004", cwd=tmp_path)
     for name in ("no hooks", "hvd.DistributedOptimizer", "bucket_mb"):
         assert re.search(rf"{re.escape(name)} +\d+\.\d+ ms", done.stdout), done.stdout
     assert re.search(r"40 parameters, (\d{2,}|[2-9]) buckets", done.stdout), done.stdout

@@ -70,7 +70,7 @@ CASES = [  # (model, spatial_size, shard_dim, devices, sync_batchnorm, height, w
 
 # A BatchNorm bias with an exactly zero true gradient (regnety_002's s4.b7.conv1.bn.bias) ends 3 fp32 steps at
 # rounding noise (1.7e-7 on one device). Two noises differ relatively by whatever the CPU's summation order gives
-# (2e-2 on the session-12 machine, below 1e-4 on earlier ones), so such tensors must stay below this floor instead.
+# (2e-2 on one machine, below 1e-4 on others), so such tensors must stay below this floor instead.
 FP32_ZERO_FLOOR = 1e-6
 
 

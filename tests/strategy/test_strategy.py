@@ -101,6 +101,7 @@ def test_one_process_trains_in_this_process():
     trainer(2, strategy=fork_two, max_epochs=1).fit(LitModel("segnet"), loader(Images(4, 16, 24), 2))
 
 
+@pytest.mark.slow
 def test_validation_and_test_loops_log_what_single_device_logs():
     data = Images(8, 32, 64)
     reference, ours = LitModel("convnext_atto"), LitModel("convnext_atto")
@@ -156,6 +157,7 @@ def test_predict_returns_full_tensors():
     )
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_and_resume(tmp_path):
     data = Images(4, 32, 64)
     uninterrupted = LitModel("convnext_atto")
@@ -182,6 +184,7 @@ class SeesGraphs(L.Callback):
         assert "model.stem.0.weight" in pl_module.state_dict()
 
 
+@pytest.mark.slow
 def test_cuda_graphs_wrap_for_the_run_and_checkpoints_keep_the_module_names(tmp_path):
     """Off CUDA the wrapped module runs eagerly: the same weights as without; checkpoints and the weights sent
     back to this process carry the module's own names; the module is put back after the run. (The replay itself:
@@ -209,6 +212,7 @@ class CountsNotedBuckets(L.Callback):
         self.noted.append(sum(p in run.current().bucket_views for p in pl_module.parameters()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cuda_graphs", [(), ("model",)])
 def test_bucket_views_are_noted_for_replays_and_forgotten_after_the_run(cuda_graphs):
     """With ``cuda_graphs`` the comm hook notes every parameter's bucket view, where a replayed backward writes its
@@ -247,6 +251,7 @@ def test_replays_under_ddp_train_to_the_eager_weights_on_one_gpu(accumulate):
     assert_same_weights(weights[1], weights[0])
 
 
+@pytest.mark.slow
 def test_plain_checkpoint_loads_into_a_spatial_run(tmp_path):
     data = Images(4, 32, 64)
     t = trainer(spatial=None, max_epochs=1, default_root_dir=tmp_path, enable_checkpointing=True)
@@ -297,6 +302,7 @@ def _half(precision: str) -> dict:
     return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_is_as_close_to_single_device_as_it_is_to_fp32(precision):
     """Half precision rounds differently per tile size, so the yardstick is its own error on one device."""
@@ -310,6 +316,7 @@ def test_mixed_precision_is_as_close_to_single_device_as_it_is_to_fp32(precision
     assert _max_relative_difference(ours, half) <= 2 * yardstick
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_matches_single_device():
     data = Images(4, 32, 64)
     reference, ours = LitModel("convnext_atto"), LitModel("convnext_atto")
@@ -331,6 +338,7 @@ def _stalled_neighbour():
     assert time.monotonic() - start < 6
 
 
+@pytest.mark.slow
 def test_a_stalled_neighbour_raises_after_the_timeout():
     """Every mesh group gets the strategy's timeout (init_device_mesh's subgroups waited 30 min)."""
     run_spmd(_stalled_neighbour, 2, timeout=30)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Variants of the tiny PETR (experiment=bev_cpu, one device each) side by side for $MINUTES minutes: which of them
-# learn, given far more steps than a CPU run has (docs/bev.md, session 7). On the device tool's 2 GPUs:
-#   GPUS=2 MINUTES=7 bash recipes/petr_sweep.sh recipes/petr_sweep.txt    # one line per variant: name overrides...
+# learn, given far more steps than a CPU run has (docs/bev.md). On 2 GPUs:
+#   GPUS=2 MINUTES=7 bash tools/petr_sweep.sh tools/petr_sweep.txt    # one line per variant: name overrides...
 # Each run's log and metrics.csv go to $OUT/sweep.tgz; the summary prints val_mAP at every validation.
-# CPU smoke: DEV=cpu ACC=cpu EXTRA="+trainer.max_steps=2" bash recipes/petr_sweep.sh variants.txt
+# CPU smoke: DEV=cpu ACC=cpu EXTRA="+trainer.max_steps=2" bash tools/petr_sweep.sh variants.txt
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)" OMP_NUM_THREADS=2
 OUT=${OUT:-.} RUNS=${RUNS:-/tmp/petr_sweep} DEV=${DEV:-cuda:0} ACC=${ACC:-gpu}

@@ -1,6 +1,6 @@
-"""Samples/s of the surround data sources on this machine (results go to docs/data.md):
+"""Samples/s of the surround data sources on this machine (the figures of docs/data.md):
 
-    python -m lightning_spatial.data.benchmark --sizes 256x704 32x88 --samples 60 --dir /tmp/surround-bench
+    python benchmarks/data_formats.py --sizes 256x704 32x88 --samples 60 --dir /tmp/surround-bench
 
 - render: synthetic samples/s per size, one process (``--threads`` torch threads), current frame and temporal;
 - collate: ``collate_surround`` (uint8 -> normalised float32) samples/s at the first size;
@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DistributedSampler
 
-from .batch import collate_surround
-from .records import FORMATS, PackedSurround, write_records
-from .surround import SurroundScenes
+from lightning_spatial.data import PackedSurround, SurroundScenes, collate_surround, write_records
+from lightning_spatial.data.records import FORMATS
 
 
 class _Listed(torch.utils.data.Dataset):

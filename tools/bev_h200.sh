@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # BEV on H200s (docs/benchmarks.md, docs/bev.md): the camera-token attention and PETR memory, then PETR training.
-#   bash recipes/bev_h200.sh memory     # one GPU (fake group for S>1) and 2 GPUs over NCCL: rows to $OUT
-#   bash recipes/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on ${GPUS:-2} GPUs (S = GPUS) for
+#   bash tools/bev_h200.sh memory     # one GPU (fake group for S>1) and 2 GPUs over NCCL: rows to $OUT
+#   bash tools/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on ${GPUS:-2} GPUs (S = GPUS) for
 #                                       # ${MINUTES:-6} minutes;
 #                                       # called again on the warm machine it resumes (MINUTES=15, 24, ...: the total);
 #                                       # OVERRIDES="data.batch_size=4 model.num_queries=150": more Hydra overrides
@@ -13,12 +13,12 @@ python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" hydra-core o
 case "${1:-memory}" in
   memory)
     python3 -m pytest -q -p no:cacheprovider tests/ops/test_sample.py -x --tb=short 2>&1 | grep -E "^E |passed|failed" | head -12
-    python3 recipes/bench_attention.py --check --out "$OUT" --steps 3
-    B="python3 recipes/benchmark.py --model petr --cameras 6 --batch 1 --out $OUT --steps 3 --warmup 2"
+    python3 tools/bench_attention.py --check --out "$OUT" --steps 3
+    B="python3 benchmarks/spatial_step.py --model petr --cameras 6 --batch 1 --out $OUT --steps 3 --warmup 2"
     $B --height 512 --widths 1408 --spatial 4,8 --precisions fp32,bf16
     $B --height 900 --widths 1600 --spatial 4,8 --precisions fp32
     for size in "512 --widths 1408" "900 --widths 1600"; do
-      "$BIN/torchrun" --standalone --nproc-per-node 2 recipes/benchmark.py --model petr --cameras 6 --batch 1 \
+      "$BIN/torchrun" --standalone --nproc-per-node 2 benchmarks/spatial_step.py --model petr --cameras 6 --batch 1 \
         --out "$OUT" --steps 3 --warmup 2 --height $size --spatial 2 --precisions fp32,bf16
     done ;;
   train)

@@ -2,7 +2,7 @@
 ``hvd.DistributedOptimizer`` (a Python hook per parameter) and with ``HorovodStrategy(bucket_mb=...)``'s
 buckets (a light hook per parameter, one grouped all-reduce per bucket), against no hooks at all.
 
-    horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python recipes/horovod_host.py
+    horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python tools/horovod_host.py
 
 The model has PETR's parameter count (481) in tiny layers, so backward's own work is small and the hooks show.
 Times are the training thread's CPU time (``time.thread_time``): Horovod's background thread, which does the

@@ -3,9 +3,9 @@
 A depthwise 7x7 convolution on a width shard convolves a window: 3 received columns, the shard, 3 more. ConvNeXt's
 activations are channels_last; halos travel contiguous (NCHW). This times the ways to join them:
 
-    python recipes/bench_window.py          # bf16; --dtype float32; CPU smoke: --device cpu --batch 1 --calls 1
+    python tools/bench_window.py          # bf16; --dtype float32; CPU smoke: --device cpu --batch 1 --calls 1
 
-``mixed``: ``torch.cat`` of NCHW halos and the channels_last shard (the code before session 13); ``laid out``: the
+``mixed``: ``torch.cat`` of NCHW halos and the channels_last shard (the op layer until 2026-12-01); ``laid out``: the
 halos first copied into the window's layout, then one ``cat`` over views in memory order (``halo._cat``, what the
 op layer does now; the halo copies are included); ``ideal``: the shard's bytes read and written once at 3.3 TB/s.
 """

@@ -1,4 +1,4 @@
-"""What recipes/benchmark.py trains: a timm classifier on (B, 3, H, W) images, or a PETR detector on
+"""What benchmarks/spatial_step.py trains: a timm classifier on (B, 3, H, W) images, or a PETR detector on
 (B, N, 3, H, W) surround cameras (``--model petr`` paper-sized with ConvNeXt-B, ``petr_tiny``; ``--cameras``).
 
 A task builds the model, turns this rank's image block into the model's input (sharded images plus the

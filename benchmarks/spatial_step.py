@@ -3,14 +3,14 @@
 One GPU (PyTorch's ``fake`` process group: collectives return at once, so this measures one rank's real
 compute and memory; halo bytes are counted separately):
 
-    python recipes/benchmark.py --widths 4096 --spatial 4,8 --layouts width --precisions fp32
+    python benchmarks/spatial_step.py --widths 4096 --spatial 4,8 --layouts width --precisions fp32
 
 N GPUs (real NCCL halos and gradient all-reduce; spatial groups of ``--spatial`` ranks):
 
-    torchrun --nproc-per-node 8 recipes/benchmark.py --widths 4096 --spatial 8
+    torchrun --nproc-per-node 8 benchmarks/spatial_step.py --widths 4096 --spatial 8
 
 There every config whose spatial size S divides the world runs, as world/S data replicas; the memory is the
-largest over the ranks. ``recipes/scaling.py`` drives the whole multi-GPU grid against the one-GPU baseline.
+largest over the ranks. ``benchmarks/scaling.py`` drives the whole multi-GPU grid against the one-GPU baseline.
 
 For each configuration it times, in the same process: the plain model on one rank's share of the input
 ("shard-only": the ideal, no halo, no communication) and our spatial step on that rank (forward,
@@ -20,7 +20,7 @@ live through the forward, in DDP's buckets for ours and as ``.grad`` for the pla
 what a Trainer run holds. ``after_step`` frees them before the next forward, as a raw loop may; DDP's buckets
 cannot be freed, so there ours carries one gradient's size (1.3 GiB for ConvNeXt-XL) more. CPU smoke run (CI):
 
-    python recipes/benchmark.py --device cpu --model convnext_atto --batch 1 --height 64 --widths 256 \\
+    python benchmarks/spatial_step.py --device cpu --model convnext_atto --batch 1 --height 64 --widths 256 \\
         --spatial 2 --steps 1 --warmup 0
 """
 
@@ -34,7 +34,7 @@ import os
 import statistics
 import time
 
-import bench_models
+import tasks
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -68,7 +68,7 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--baseline", default="1", choices=["0", "1", "only"], help="also time the shard-only baseline, or only it"
     )
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=".")
     p.add_argument("--profile", action="store_true", help="where one spatial step's time goes (torch.profiler)")
     p.add_argument(
         "--zero-grad",
@@ -176,7 +176,7 @@ def free(device) -> None:
 
 
 def run_config(args, device, width: int, s: int, layout: str, precision: str, ckpt: bool, real: bool) -> dict:
-    task = bench_models.task(args)
+    task = tasks.task(args)
     sh, sw = tiles(layout, s)
     rank = dist.get_rank() if real else min(1, s - 1)  # fake: an interior rank (halos on both sides)
     ih, iw = divmod(rank % s, sw)

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Horovod on GPUs (the device tool's nvidia-h200-x2: 2 GPUs, no network): build it with NCCL offline from the
+# Horovod on a machine of 2 GPUs without network access: build it with NCCL offline from the
 # files in .whl (python -m lightning_spatial.install_horovod --download .whl fetches them), run the GPU tests,
 # then time Horovod against DDP on the same 2 GPUs, same model and per-GPU batch.
-#   bash recipes/horovod_gpu.sh            # rows appended to $OUT/bench_trainer.jsonl, logs in $OUT/runs.log
-#   bash recipes/horovod_gpu.sh build      # only the build (a warm machine keeps it for the next call)
-#   bash recipes/horovod_gpu.sh bf16       # bf16 only: DDP; Horovod as is, and with gradients in 25 MiB buckets
-#                                          # (one grouped all-reduce each, as DDP's), also with async completion
-#   REPEATS=3 STEPS=20 bash recipes/horovod_gpu.sh bf16   # interleaved repeats: one run's median varies ~10%
-#   TESTS=0 ONLY=petr REPEATS=3 STEPS=20 bash recipes/horovod_gpu.sh bf16   # one model (petr or convnext_large)
-#   PROFILE=1 ...                          # also rank 0's profile of its first timed step, per run (profile_*.txt)
+#   bash tools/horovod_gpu.sh            # rows appended to $OUT/bench_trainer.jsonl, logs in $OUT/runs.log
+#   bash tools/horovod_gpu.sh build      # only the build (a warm machine keeps it for the next call)
+#   bash tools/horovod_gpu.sh bf16       # bf16 only: DDP; Horovod as is, and with gradients in 25 MiB buckets
+#                                        # (one grouped all-reduce each, as DDP's), also with async completion
+#   REPEATS=3 STEPS=20 bash tools/horovod_gpu.sh bf16   # interleaved repeats: one run's median varies ~10%
+#   TESTS=0 ONLY=petr REPEATS=3 STEPS=20 bash tools/horovod_gpu.sh bf16   # one model (petr or convnext_large)
+#   PROFILE=1 ...                        # also rank 0's profile of its first timed step, per run (profile_*.txt)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)"
 OUT=${OUT:-.}
@@ -20,17 +20,17 @@ if ! python3 -c "import horovod.torch" 2>/dev/null; then
   fi
   tail -1 "$OUT/horovod_build.log"
 fi
-B="recipes/bench_trainer.py --out $OUT --steps ${STEPS:-8} --warmup 2 ${PROFILE:+--profile}"
+B="benchmarks/trainer_step.py --out $OUT --steps ${STEPS:-8} --warmup 2 ${PROFILE:+--profile}"
 MODELS=()
 for model in "convnext_large --batch 4 --height 512 --width 1024" "petr --batch 1 --height 512 --width 1408"; do
   [[ -z "${ONLY:-}" || $model == "$ONLY "* ]] && MODELS+=("$model")
 done
-compare() {  # precision, then the Horovod variants: each a quoted list of bench_trainer options
+compare() {  # precision, then the Horovod variants: each a quoted list of trainer_step.py options
   local precision=$1 model variant rep; shift
   for rep in $(seq "${REPEATS:-1}"); do for model in "${MODELS[@]}"; do  # repeats interleave: runs vary by ~10%
     "$BIN/torchrun" --standalone --nproc-per-node 2 $B --strategy ddp --model $model --precision $precision \
       >> "$OUT/runs.log" 2>&1 || echo "FAILED: ddp $model $precision"
-    for variant in "$@"; do  # bench_trainer options, and KEY=VALUE words set in Horovod's environment
+    for variant in "$@"; do  # trainer_step.py options, and KEY=VALUE words set in Horovod's environment
       local envs=() opts=() word
       for word in $variant; do if [[ $word == *=* ]]; then envs+=("$word"); else opts+=("$word"); fi; done
       env "${envs[@]}" "$BIN/horovodrun" -np 2 -H localhost:2 python3 $B --strategy horovod --model $model \
@@ -41,8 +41,8 @@ compare() {  # precision, then the Horovod variants: each a quoted list of bench
 [ "${1:-all}" = build ] && exit 0
 [ "${TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/horovod -k "gpu" -rs 2>&1 | tail -15
 case "${1:-all}" in
-  # session 11's profile: a 1 ms cycle sends PETR's gradients in ~100 small pieces (DDP: 19 buckets); session 12:
-  # a 5 ms cycle was slower still. A variant word KEY=VALUE (OMP_NUM_THREADS=1, say) goes into Horovod's environment
+  # profiled: a 1 ms cycle sends PETR's gradients in ~100 small pieces (DDP: 19 buckets); a 5 ms cycle was slower
+  # still. A variant word KEY=VALUE (OMP_NUM_THREADS=1, say) goes into Horovod's environment
   bf16) compare bf16-mixed "" "--bucket-mb 25" "--bucket-mb 25 --async-completion" ;;
   *) compare 32-true ""; compare bf16-mixed "" ;;
 esac

@@ -1,9 +1,9 @@
-"""The benchmark as a Hydra multirun: each job measures one configuration (recipes/benchmark.py's
-``run_config``) and appends its row to one CSV; when the sweep ends, recipes/plot_bench.py plots it.
+"""The benchmark as a Hydra multirun: each job measures one configuration (benchmarks/spatial_step.py's
+``run_config``) and appends its row to one CSV; when the sweep ends, benchmarks/plot_rows.py plots it.
 
-python recipes/bench_sweep.py -m spatial=1,2,4,8                          # one GPU, fake process group
-python recipes/bench_sweep.py -m device=cpu backbone=convnext_atto batch=1 height=64 width=256 spatial=1,2 \\
-    steps=1 warmup=0                                                       # CPU smoke run
+python benchmarks/sweep.py -m spatial=1,2,4,8                      # one GPU, fake process group
+python benchmarks/sweep.py -m device=cpu backbone=convnext_atto batch=1 height=64 width=256 spatial=1,2 \\
+    steps=1 warmup=0                                                   # CPU smoke run
 Under torchrun every job measures its rank of a real group (spatial must equal the world size).
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import hydra
 import torch.distributed as dist
-from benchmark import run_config, setup
 from omegaconf import DictConfig, OmegaConf
+from spatial_step import run_config, setup
 
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")

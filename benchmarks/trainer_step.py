@@ -1,14 +1,16 @@
 """Step time through Lightning's Trainer, as users train: a LightningModule, a DataLoader (with the strategy's
 collate hook), any strategy. Compares strategies on the same model and global batch in one place.
 
-    torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy ddp --model convnext_large --batch 2
-    horovodrun -np 2 -H localhost:2 python recipes/bench_trainer.py --strategy horovod --model convnext_large --batch 2
-    torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --model convnext_large --batch 4
-    torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --cuda-graphs backbone ...
-    torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --compile ...
-    torchrun --nproc-per-node 2 recipes/bench_trainer.py --strategy spatial_tp --compile backbone --cuda-graphs backbone
-    python recipes/bench_trainer.py --strategy single --model petr --batch 1 --height 512 --width 1408
-    python recipes/bench_trainer.py --strategy spatial_tp --fake-world 8 --baseline shard --model convnext_xlarge \
+    torchrun --nproc-per-node 2 benchmarks/trainer_step.py --strategy ddp --model convnext_large --batch 2
+    horovodrun -np 2 -H localhost:2 python benchmarks/trainer_step.py --strategy horovod --model convnext_large \
+        --batch 2
+    torchrun --nproc-per-node 2 benchmarks/trainer_step.py --strategy spatial_tp --model convnext_large --batch 4
+    torchrun --nproc-per-node 2 benchmarks/trainer_step.py --strategy spatial_tp --cuda-graphs backbone ...
+    torchrun --nproc-per-node 2 benchmarks/trainer_step.py --strategy spatial_tp --compile ...
+    torchrun --nproc-per-node 2 benchmarks/trainer_step.py --strategy spatial_tp --compile backbone \
+        --cuda-graphs backbone
+    python benchmarks/trainer_step.py --strategy single --model petr --batch 1 --height 512 --width 1408
+    python benchmarks/trainer_step.py --strategy spatial_tp --fake-world 8 --baseline shard --model convnext_xlarge \
         --batch 7 --height 512 --width 4096 --precision bf16-mixed      # one GPU: rank 1 of 8, and its shard alone
 
 One GPU plays one rank of a larger run with ``--fake-world S`` (``lightning_spatial.fake_rank.FakeRank``: PyTorch's
@@ -74,7 +76,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--accelerator", default="gpu")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=".")
     return p.parse_args()
 
 

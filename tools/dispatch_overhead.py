@@ -2,11 +2,11 @@
 
 When a rank's GPU work per step is short (bf16 ConvNeXt-XL at S=8: 75 ms), this per-op host time decides
 the step time (docs/benchmarks.md). Tiny CPU tensors keep compute negligible; one process with PyTorch's
-``fake`` process group (halo messages skipped, as in benchmark.py) stands for an interior rank of
+``fake`` process group (halo messages skipped, as in benchmarks/spatial_step.py) stands for an interior rank of
 ``--spatial`` ranks sharded along the width. The "protocol alone" rows time a subclass whose
 ``__torch_function__`` only runs the op: the floor our dispatch stands on.
 
-    python recipes/dispatch_overhead.py --calls 2000
+    python tools/dispatch_overhead.py --calls 2000
 """
 
 from __future__ import annotations

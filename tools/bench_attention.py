@@ -15,12 +15,12 @@ compute and memory; the all-reduces' bytes are reported, not sent). ``peak GiB``
 ``torch.cuda.max_memory_allocated`` over the timed steps, ``step GiB`` the part above what stays allocated
 between steps (weights, their gradients, the inputs): the activations and workspace of forward + backward.
 
-    python recipes/bench_attention.py --check     # first: our CUDA kernels against torch (S=1, exact), then
-    python recipes/bench_attention.py             # the table; rows appended to $OUT/bench_attention.jsonl
+    python tools/bench_attention.py --check     # first: our CUDA kernels against torch (S=1, exact), then
+    python tools/bench_attention.py             # the table; rows appended to $OUT/bench_attention.jsonl
 
 CPU smoke run (CI, no timing asserted):
 
-    python recipes/bench_attention.py --device cpu --queries 8 --dim 16 --heads 2 --ffn 32 --cameras 2 \\
+    python tools/bench_attention.py --device cpu --queries 8 --dim 16 --heads 2 --ffn 32 --cameras 2 \\
         --height 4 --width 8 --layers 1 --spatial 2 --steps 1 --warmup 0 --check
 """
 

@@ -1,11 +1,11 @@
 """Strong scaling on one machine in one call: ConvNeXt-XL and PETR on N GPUs against one GPU, same global batch.
 
-    python recipes/scaling.py               # all visible GPUs (nvidia-h200-x4 / -x8); rows and logs under $OUT
-    python recipes/scaling.py --gpus 4
-    python recipes/scaling.py --device cpu --gpus 8 --toy   # rehearsal: gloo, convnext_atto, petr_tiny, tiny images
+    python benchmarks/scaling.py --out results    # all visible GPUs; rows, logs and topology under results/
+    python benchmarks/scaling.py --gpus 4 --time-limit 560
+    python benchmarks/scaling.py --device cpu --gpus 8 --toy   # rehearsal: gloo, convnext_atto, petr_tiny, tiny images
 
-Each part is a subprocess running ``recipes/benchmark.py``, given what is left of ``--budget`` (a part that would
-overrun is stopped; the table shows what ran):
+Each part is a subprocess running ``benchmarks/spatial_step.py``; with ``--time-limit`` a part that would overrun
+what is left of it is stopped, and the table shows what ran:
 
 1. ``nvidia-smi topo -m`` -> ``topology.txt`` (and into ``scaling.json`` with the rows).
 2. One-GPU baselines, fp32 on the first GPU and bf16 on the second at the same time: ConvNeXt-XL, batch 7 at
@@ -23,15 +23,15 @@ device in the same process before and after the spatial step (the faster of the 
 per-rank peak over the ranks, against the shard alone on one GPU (ConvNeXt; target 1.10 x) or against the whole
 input on one device (PETR).
 
-**Time** (estimated for nvidia-h200-x8 from the H200 rows of docs/benchmarks.md; x4 runs fewer, slower configs
-and lands about the same): process start and model builds ~4 s per build (350 M parameters initialised on the
+**Time** (estimated for 8 H200s from the one-H200 rows of docs/benchmarks.md; 4 GPUs run fewer, slower configs
+and land about the same): process start and model builds ~4 s per build (350 M parameters initialised on the
 host), 3 builds per config (baseline, ours, baseline again); torchrun start ~20 s per part.
   baselines (parallel)   fp32 1 warm-up + 2 steps x 3.0 s + cuDNN autotuning                    ~40 s
   ConvNeXt, 8 configs    per config 12 s builds + 10 baseline steps + 7 ours + 1 profiled step:
                          S=8 fp32 ~25 s, D=2 x S=4 fp32 ~30 s, bf16 ~20 s; + start              ~220 s
   PETR, 6 configs        one device 0.38 / 0.17 s x 10 + ours x 7 + builds, ~12 s each + start    ~90 s
   PETR tiny, 6 configs   ~6 s each + start                                                     ~55 s
-  total ~410 s; ``--budget`` 560 s keeps the call under the device tool's 10 minutes.
+  total ~410 s.
 Timed steps: warm-up 2 + 3 steps (median) for the torchrun rows as in docs/benchmarks.md; 1 + 2 for the 3 s
 one-GPU ConvNeXt steps.
 """
@@ -51,10 +51,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark import tiles
+from spatial_step import tiles
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = str(ROOT / "recipes" / "benchmark.py")
+BENCH = str(ROOT / "benchmarks" / "spatial_step.py")
 CONVNEXT = (  # benchmark arguments at full size, at toy size
     "--model convnext_xlarge --batch 7 --height 512 --widths 4096",
     "--model convnext_atto --batch 2 --height 64 --widths 256",
@@ -74,14 +74,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=0, help="ranks N (default: every visible GPU; cpu: 4)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--toy", action="store_true", help="rehearsal sizes: convnext_atto, petr_tiny, tiny images")
-    p.add_argument("--budget", type=float, default=560, help="seconds for the whole call")
+    p.add_argument("--time-limit", type=float, default=math.inf, help="seconds for the whole run (default: none)")
     p.add_argument(
         "--parts",
         default=",".join(name for name, *_ in PARTS),
         help="comma list of the grid's parts (convnext brings its one-GPU baselines); all by default",
     )
     p.add_argument("--precisions", default="fp32,bf16", help="comma list: fp32, bf16 (the baselines follow)")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=".")
     return p.parse_args()
 
 
@@ -95,8 +95,8 @@ def visible_gpus() -> list[str]:
 class Runner:
     """Subprocesses under one deadline, each logged to ``out/<name>/log.txt`` with its rows in ``bench.jsonl``."""
 
-    def __init__(self, out: Path, budget: float):
-        self.out, self.deadline, self.parts = out, time.monotonic() + budget, []
+    def __init__(self, out: Path, time_limit: float):
+        self.out, self.deadline, self.parts = out, time.monotonic() + time_limit, []
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self.env = {**env, "PYTHONUNBUFFERED": "1"}
@@ -113,15 +113,15 @@ class Runner:
     def finish(self, *started: tuple[str, subprocess.Popen, float]) -> None:
         for name, proc, t0 in started:
             try:
-                rc = proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+                rc = proc.wait(timeout=None if math.isinf(self.left()) else max(1.0, self.left()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGTERM)  # the part's own session: torchrun and its workers
+                os.killpg(proc.pid, signal.SIGTERM)  # the part's own process group: torchrun and its workers
                 try:
                     proc.wait(timeout=15)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                rc = "stopped: budget spent"
+                rc = "stopped: time limit"
             self.parts.append({"part": name, "rc": rc, "seconds": round(time.monotonic() - t0, 1)})
             print(f"[{name}] rc {rc}, {self.parts[-1]['seconds']} s", flush=True)
             if rc != 0:
@@ -180,8 +180,8 @@ def run_parts(args, n: int, runner: Runner) -> None:
         if name not in wanted or size is None:
             continue
         if runner.left() < 10:
-            runner.parts.append({"part": name, "rc": "skipped: budget spent", "seconds": 0.0})
-            print(f"[{name}] skipped: budget spent", flush=True)
+            runner.parts.append({"part": name, "rc": "skipped: time limit", "seconds": 0.0})
+            print(f"[{name}] skipped: time limit", flush=True)
             continue
         if name == "convnext":
             grid = ["--spatial", ",".join(map(str, halves)), "--layouts", ",".join(["width", *tile_shapes])]
@@ -250,7 +250,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def targets(rows: list[dict], n: int) -> list[str]:
-    """The issue's targets on the ConvNeXt rows that use every rank for one image (D = 1, S = N)."""
+    """The scaling targets (efficiency >= 0.90, memory <= 1.10 x the shard) on the ConvNeXt rows that use every
+    rank for one image (D = 1, S = N)."""
 
     def verdict(value: float, ok: bool) -> str:
         return "not measured" if math.isnan(value) else "holds" if ok else "missed"
@@ -269,7 +270,7 @@ def targets(rows: list[dict], n: int) -> list[str]:
 
 def main() -> None:
     args = parse()
-    runner = Runner(Path(args.out), args.budget)
+    runner = Runner(Path(args.out), args.time_limit)
     if args.device == "cuda" and shutil.which("nvidia-smi") is None:
         raise SystemExit("no nvidia-smi here: for the CPU rehearsal pass --device cpu --toy")
     visible = len(visible_gpus()) if args.device == "cuda" else math.inf

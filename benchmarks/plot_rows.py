@@ -1,10 +1,10 @@
 """Per-rank memory and step time against the spatial size: ours, the shard alone, and one device.
 
-python recipes/plot_bench.py docs/bench/h200-2026-11-29.jsonl docs/bench/h200-2026-11-29-session2.jsonl \\
-    -o docs/bench/h200-convnext_xlarge-7x3x512x4096-fp32.png
-python recipes/plot_bench.py multirun/<date>/<time>/bench.csv             # a bench_sweep.py CSV
+cd benchmarks/results && python ../plot_rows.py 2026-11-29_h200_6607383_convnext-xl-first-grid.jsonl \\
+    2026-11-29_h200_687681a_convnext-xl.jsonl -o 2026-11-29_h200_687681a_convnext-xl-fp32.png
+python benchmarks/plot_rows.py multirun/<date>/<time>/bench.csv             # a sweep.py CSV
 
-Rows come from benchmark.py JSONL or bench_sweep.py CSV files; a later file's row replaces an earlier one of
+Rows come from spatial_step.py JSONL or sweep.py CSV files; a later file's row replaces an earlier one of
 the same configuration. One figure per run: the configuration with most rows unless ``--where`` picks one.
 "One device" is the S=1 row (the whole image on one device); shard alone is the plain model on one rank's
 share of the input (the ideal a spatial rank can reach); ours is that rank under the spatial strategy.
@@ -111,7 +111,7 @@ def _kind(row: dict) -> str:
 
 
 def _value(row: dict, key: str) -> float:
-    """Step times: the faster of the baseline's two runs (benchmark.py times it before and after ours)."""
+    """Step times: the faster of the baseline's two runs (spatial_step.py times it before and after ours)."""
     if key == "shard_ms" and row.get("shard_ms_after") not in (None, ""):
         return min(row["shard_ms"], row["shard_ms_after"])
     value = row.get(key)
@@ -130,7 +130,7 @@ class PlotWhenSweepEnds(Callback):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("rows", nargs="+", type=Path, help="benchmark.py .jsonl or bench_sweep.py .csv files")
+    p.add_argument("rows", nargs="+", type=Path, help="spatial_step.py .jsonl or sweep.py .csv files")
     p.add_argument("-o", "--out", type=Path, default=Path("bench.png"))
     p.add_argument("--where", nargs="*", default=[], help="key=value filters, e.g. precision=bf16 layout=width")
     args = p.parse_args()

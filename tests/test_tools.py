@@ -1,0 +1,61 @@
+"""The internal tools (tools/) run end to end at toy sizes on CPU; no timing or score is asserted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests.scripts import ROOT
+
+pytestmark = pytest.mark.slow  # scripts run end to end in subprocesses
+
+
+def test_window_join_smoke():
+    """The halo-window join benchmark runs on CPU and both ways join the same window; no timing is asserted."""
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_window.py"), "--device", "cpu", "--batch", "1"]
+    done = subprocess.run([*cmd, "--calls", "1", "--dtype", "float32"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("\n") == 5  # a header and four stages
+
+
+def test_dispatch_overhead_smoke():
+    """The per-op host-time script runs every op on plain and sharded tensors; no timing is asserted."""
+    cmd = [sys.executable, str(ROOT / "tools" / "dispatch_overhead.py"), "--calls", "20", "--repeats", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    assert len(rows) == 14 and [r[1] for r in rows[-2:]] == ["forward", "fwd+bwd"]
+    assert ["gelu,", "as", "nn.GELU", "calls", "it"] in [r[:5] for r in rows]  # the module path, options by keyword
+    assert [r[:3] for r in rows[-4:-2]] == [["gelu,", "protocol", "alone"], ["add,", "protocol", "alone"]]
+
+
+def test_petr_sweep_smoke(tmp_path):
+    """tools/petr_sweep.sh on CPU: two variants side by side, two steps each; both logs, metrics and the
+    per-variant summary come back. No score is asserted."""
+    variants = tmp_path / "variants.txt"
+    variants.write_text("# comment lines are skipped\nq100_lr5e-4\nfew model.num_queries=30\n")
+    env = {
+        **os.environ,
+        "DEV": "cpu",
+        "ACC": "cpu",
+        "MINUTES": "5",
+        "VAL_EVERY": "1",
+        "OUT": str(tmp_path),
+        "RUNS": str(tmp_path / "runs"),
+        "EXTRA": "data.num_samples=8 data.val_samples=4 +trainer.max_steps=2 data.num_workers=0",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / "tools" / "petr_sweep.sh"), str(variants)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()}
+    assert set(lines) == {"q100_lr5e-4", "few"} and all(lines.values()), done.stdout
+    with tarfile.open(tmp_path / "sweep.tgz") as tar:
+        names = tar.getnames()
+    assert "runs/few/csv/metrics.csv" in names and "runs.q100_lr5e-4.log" in names, names
