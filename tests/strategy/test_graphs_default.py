@@ -2,24 +2,30 @@
 the BEV detectors, on one rank of a width split (w2) and of 2x2 tiles, checkpoints included.
 
 One GPU plays one rank (``FakeRank``: PyTorch's fake backend, halos read as zeros), so the graphed and the eager run
-compute the same function of the same data on the same shard: any difference is the capture's. fp32 with TF32 off,
-deterministic cuDNN, the oracle's fp32 tolerance. Run in a pytest invocation of its own on a GPU machine (README).
+compute the same function of the same data on the same shard: any difference is the capture's. fp32 with TF32 off and
+deterministic algorithms (the splat's ``index_add`` and ``grid_sample``'s backward otherwise add with atomics, in an
+order that differs from run to run), the oracle's fp32 tolerance. Run in a pytest invocation of its own on a GPU
+machine (README).
 """
 
 from __future__ import annotations
+
+import os
 
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_spatial import SpatialParallelStrategy
+from lightning_spatial import LatestCheckpoint, SpatialParallelStrategy
+from lightning_spatial.data.loading import resumable_loader
 from lightning_spatial.fake_rank import FakeRank
 from lightning_spatial.graphs import CUDAGraphed
 from tests.oracle import RTOL, assert_rel_close
 from tests.strategy.lit import Images, LitModel, loader
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (read when its handle is made)
 
 LAYOUTS = {"w2": (2, 2, 1), "2x2": (4, (2, 2), 3)}  # world, spatial_size, the rank played (an interior one)
 STEPS = 6  # step 1 watched, 2-3 the wrapper's eager warm-up, 4 captured, 5-6 replayed
@@ -32,16 +38,20 @@ def exact_fp32():
         torch.backends.cudnn.allow_tf32,
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
+        torch.are_deterministic_algorithms_enabled(),
     )
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     (
         torch.backends.cuda.matmul.allow_tf32,
         torch.backends.cudnn.allow_tf32,
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
+        deterministic,
     ) = saved
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def _image_model(name: str):
@@ -84,6 +94,7 @@ MODELS = {
 
 
 def _fit(model: L.LightningModule, data: DataLoader, layout: str, graphs, steps: int, ckpt=None, save=None, rank=None):
+    """``save``: a folder that ``LatestCheckpoint`` keeps last.ckpt in (written at the step that stops the run)."""
     world, spatial, interior = LAYOUTS[layout]
     with FakeRank(world, interior if rank is None else rank) as env:
         trainer = L.Trainer(
@@ -93,15 +104,14 @@ def _fit(model: L.LightningModule, data: DataLoader, layout: str, graphs, steps:
             plugins=[env],
             max_steps=steps,
             logger=False,
-            enable_checkpointing=False,
+            enable_checkpointing=save is not None,
             enable_progress_bar=False,
             enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=0,
+            callbacks=[] if save is None else [LatestCheckpoint(save)],
         )
         trainer.fit(model, data, ckpt_path=ckpt)
-        if save is not None:
-            trainer.save_checkpoint(save)  # rank 0 writes it
     return model, trainer
 
 
@@ -156,12 +166,17 @@ def test_the_default_replays_the_image_encoder_and_trains_to_the_eager_weights(n
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_graphed_run_saved_and_resumed_equals_the_uninterrupted_one(layout, tmp_path):
-    """Saved after its graphs replayed (step 4 of 2-step epochs), resumed to step 8: the resumed run watches,
-    warms up and captures again, and ends where the uninterrupted run does. Rank 0 plays: it writes checkpoints."""
-    build, data = MODELS["resnet_batchnorm"][0], lambda: loader(Images(4, 64, 96), 2)
-    straight, _ = _fit(build(), data(), layout, "auto", 8, rank=0)
-    _fit(build(), data(), layout, "auto", 4, save=tmp_path / "mid.ckpt", rank=0)
-    resumed, _ = _fit(build(), data(), layout, "auto", 8, ckpt=tmp_path / "mid.ckpt", rank=0)
+    """Stopped at step 5 of 3-step epochs, after its graphs replayed, with last.ckpt written there
+    (``LatestCheckpoint``), and resumed to step 10 from it (the loader resumes inside the epoch): the resumed run
+    watches, warms up and captures again, and ends where the uninterrupted run does. Rank 0 writes checkpoints."""
+    build = MODELS["resnet_batchnorm"][0]
+
+    def data():
+        return resumable_loader(Images(6, 64, 96), 2, shuffle=True)
+
+    straight, _ = _fit(build(), data(), layout, "auto", 10, rank=0)
+    _fit(build(), data(), layout, "auto", 5, save=tmp_path, rank=0)
+    resumed, _ = _fit(build(), data(), layout, "auto", 10, ckpt=tmp_path / "last.ckpt", rank=0)
     a, b = _weights(straight), _weights(resumed)
     for key in a:
         assert_rel_close(b[key], a[key], key, rtol=RTOL)
