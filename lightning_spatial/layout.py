@@ -197,7 +197,7 @@ def _cut_for(layout: Layout, shape: tuple[int, ...]) -> Layout | None:
         shards = layout.on(dim)
         if shape[dim] != shards[0].extent:
             raise LayoutError(
-                f"a replicated tensor of shape {shape} meets a tensor sharded along dim {dim} of global "
+                f"a replicated tensor of shape {tuple(shape)} meets a tensor sharded along dim {dim} of global "
                 f"size {shards[0].extent}; it must have size 1 (broadcast) or {shards[0].extent} there"
             )
         cut.extend(shards)
