@@ -15,7 +15,6 @@ import os
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_spatial import LatestCheckpoint, SpatialParallelStrategy
 from lightning_spatial.data.loading import resumable_loader
@@ -93,14 +92,17 @@ MODELS = {
 }
 
 
-def _fit(model: L.LightningModule, data: DataLoader, layout: str, graphs, steps: int, ckpt=None, save=None, rank=None):
-    """``save``: a folder that ``LatestCheckpoint`` keeps last.ckpt in (written at the step that stops the run)."""
+def _fit(model, data, layout: str, graphs, steps: int, ckpt=None, save=None, rank=None, callbacks=()):
+    """One rank of ``layout`` (the interior one unless ``rank``) fits ``steps`` steps; ``graphs``: the strategy's
+    ``cuda_graphs``, ``None`` for its default. ``save``: a folder that ``LatestCheckpoint`` keeps last.ckpt in
+    (written at the step that stops the run)."""
     world, spatial, interior = LAYOUTS[layout]
+    options = {} if graphs is None else {"cuda_graphs": graphs}
     with FakeRank(world, interior if rank is None else rank) as env:
         trainer = L.Trainer(
             accelerator="gpu",
             devices=1,
-            strategy=SpatialParallelStrategy(spatial, cuda_graphs=graphs, fallback="error"),
+            strategy=SpatialParallelStrategy(spatial, fallback="error", **options),
             plugins=[env],
             max_steps=steps,
             logger=False,
@@ -109,7 +111,7 @@ def _fit(model: L.LightningModule, data: DataLoader, layout: str, graphs, steps:
             enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=0,
-            callbacks=[] if save is None else [LatestCheckpoint(save)],
+            callbacks=[*callbacks, *([] if save is None else [LatestCheckpoint(save)])],
         )
         trainer.fit(model, data, ckpt_path=ckpt)
     return model, trainer
@@ -136,24 +138,8 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_the_default_replays_the_image_encoder_and_trains_to_the_eager_weights(name, layout):
     build, data = MODELS[name]
     eager, _ = _fit(build(), data(), layout, False, STEPS)
-    model = build()
     seen = Captures()
-    world, spatial, rank = LAYOUTS[layout]
-    with FakeRank(world, rank) as env:
-        L.Trainer(
-            accelerator="gpu",
-            devices=1,
-            strategy=SpatialParallelStrategy(spatial, fallback="error"),  # cuda_graphs="auto", the default
-            plugins=[env],
-            max_steps=STEPS,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            callbacks=[seen],
-        ).fit(model, data())
+    model, _ = _fit(build(), data(), layout, None, STEPS, callbacks=[seen])  # None: the default, "auto"
     assert seen.replaying, "nothing was captured"
     if name in ("petr", "lift_splat", "simple_bev"):
         assert "encoder" in seen.replaying, seen.replaying
@@ -174,9 +160,9 @@ def test_a_graphed_run_saved_and_resumed_equals_the_uninterrupted_one(layout, tm
     def data():
         return resumable_loader(Images(6, 64, 96), 2, shuffle=True)
 
-    straight, _ = _fit(build(), data(), layout, "auto", 10, rank=0)
-    _fit(build(), data(), layout, "auto", 5, save=tmp_path, rank=0)
-    resumed, _ = _fit(build(), data(), layout, "auto", 10, ckpt=tmp_path / "last.ckpt", rank=0)
+    straight, _ = _fit(build(), data(), layout, None, 10, rank=0)
+    _fit(build(), data(), layout, None, 5, save=tmp_path, rank=0)
+    resumed, _ = _fit(build(), data(), layout, None, 10, ckpt=tmp_path / "last.ckpt", rank=0)
     a, b = _weights(straight), _weights(resumed)
     for key in a:
         assert_rel_close(b[key], a[key], key, rtol=RTOL)
