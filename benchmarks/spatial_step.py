@@ -39,12 +39,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from lightning_spatial import halo
-from lightning_spatial.graphs import CUDAGraphed, noting_bucket_views
-from lightning_spatial.layout import DimShard, Layout, partition
-from lightning_spatial.primitives import Axis, SpatialDims, counting_halo_bytes
-from lightning_spatial.strategies.spatial import gradients_laid_out_like_parameters
-from lightning_spatial.tensor import wrap
+from lightning_spatial.primitives import (
+    Axis,
+    CUDAGraphed,
+    DimShard,
+    Layout,
+    SpatialDims,
+    counting_halo_bytes,
+    gradients_laid_out_like_parameters,
+    noting_bucket_views,
+    partition,
+    wrap,
+)
+from lightning_spatial.run import Run, entered
 
 GIB = 2**30
 
@@ -91,13 +98,6 @@ def parse() -> argparse.Namespace:
         help="torch.compile the model (inductor) in our spatial step, or in it and the shard-only baseline",
     )
     p.add_argument("--compile-mode", default=None, help="torch.compile's mode (default, max-autotune-no-cudagraphs)")
-    p.add_argument(
-        "--fake-p2p",
-        default="noop",
-        choices=["noop", "backend"],
-        help="one GPU: halo messages are skipped (noop) or handed to the fake backend (their bytes are "
-        "counted either way)",
-    )
     return p.parse_args()
 
 
@@ -230,7 +230,6 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", rank=rank, world_size=s, store=FakeStore())
-        row["fake_p2p"] = args.fake_p2p
     dims = SpatialDims(dist.get_world_size(), sh, sw)
     mesh = dims.build(device.type)
     shards = []
@@ -408,13 +407,6 @@ def every_rank(value):
     return out
 
 
-def _no_messages(axis, sends: list, recvs: list) -> None:
-    """No messages travel; received halos read as zeros (uninitialised memory could hold NaNs, which a detector's
-    Hungarian matching refuses)."""
-    for _, t in recvs:
-        t.zero_()
-
-
 def _completed(state, bucket):
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
@@ -436,10 +428,6 @@ def setup(args) -> tuple[torch.device, bool]:
         # splitting the compiled backward at DDP's buckets (on CPU that split met a stride mismatch in a 1x1
         # convolution's backward, torch 2.14; docs/benchmarks.md).
         torch._dynamo.config.optimize_ddp = False
-    if not real and args.fake_p2p == "noop":
-        # Nothing arrives through the fake backend anyway; skipping its send/recv calls keeps the library's
-        # host time out of one rank's compute (measured on the H200: within noise, docs/benchmarks.md).
-        halo._p2p = _no_messages
     return device, real
 
 
@@ -459,7 +447,10 @@ def main() -> None:
     for precision, width, s, layout, ckpt in grid:
         if (real and dist.get_world_size() % s) or math.prod(tiles(layout, s)) != s:
             continue
-        row = run_config(args, device, int(width), s, layout, precision, ckpt, real)
+        # one rank of a fake group: halos go to the fake backend, which delivers nothing; they read as zeros
+        # (uninitialised memory could hold NaNs, which a detector's Hungarian matching refuses)
+        with entered(Run(zero_undelivered=not real)):
+            row = run_config(args, device, int(width), s, layout, precision, ckpt, real)
         rows.append(row)
         if not real or dist.get_rank() == 0:  # each row as it comes: a config failing later costs none of these
             print(json.dumps(row), flush=True)
