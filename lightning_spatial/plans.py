@@ -17,7 +17,7 @@ are planned every time, as in traced code.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import torch
@@ -33,16 +33,16 @@ def planned(
     *,
     maxsize: int = 4096,
     per_layout: bool = False,
-    key: Callable[..., Hashable] | None = None,
+    keyed_by: int | None = None,
 ) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate a pure function of hashable arguments (positional only) so that each distinct call is computed
     once; see the module docstring for the rule under ``torch.compile``. ``f.forget()`` empties the table.
 
     ``per_layout``: the first argument is a ``Layout``, which keeps the plans about it (at most ``maxsize``).
-    ``key``: what the plan depends on, from the arguments, where that is less than all of them (e.g. the types of
-    a call's values, not the values)."""
+    ``keyed_by``: the plan depends on its first ``keyed_by`` arguments only; the others are an example it is computed
+    from (e.g. a call whose argument types, not values, decide its binding)."""
     if func is None:
-        return functools.partial(planned, maxsize=maxsize, per_layout=per_layout, key=key)
+        return functools.partial(planned, maxsize=maxsize, per_layout=per_layout, keyed_by=keyed_by)
     if per_layout:
         return _per_layout(func, maxsize)
     table: dict = {}
@@ -51,7 +51,7 @@ def planned(
     def plan(*args):
         if _tracing():
             return func(*args)
-        k = args if key is None else key(*args)
+        k = args if keyed_by is None else args[:keyed_by]
         try:
             return table[k]
         except KeyError:
@@ -72,16 +72,18 @@ def _per_layout(func: Callable, maxsize: int) -> Callable:
     def plan(layout, *args):
         if _tracing():
             return func(layout, *args)
-        table, key = layout.plans, (func, args)
+        table = layout.plans.get(func)  # one table per plan function: keyed by the arguments as they came
+        if table is None:
+            table = layout.plans[func] = {}
         try:
-            return table[key]
+            return table[args]
         except KeyError:
             pass
         except TypeError:
             return func(layout, *args)
         if len(table) >= maxsize:
             table.clear()
-        result = table[key] = func(layout, *args)
+        result = table[args] = func(layout, *args)
         return result
 
     plan.forget = lambda: None  # the tables go with their layouts

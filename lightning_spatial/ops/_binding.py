@@ -87,7 +87,7 @@ class Binding:
         return None if overload is None else overload.bind(args, kwargs, check=False)
 
 
-@planned(key=lambda binding, shape, args, kwargs: (binding, shape))
+@planned(keyed_by=2)  # (binding, call shape): the call itself is the example the plan is computed from
 def _call(binding: Binding, shape: tuple, args: tuple, kwargs: dict) -> Call:
     """``Binding.plan``: the first overload whose parameters and types fit (the same types fit again, so a call
     shape decides it), and whether the handler can take the call as it is: its positional parameters are the

@@ -67,9 +67,10 @@ class _ConvPlan:
 
 
 @planned(maxsize=1024)
-def _conv_plan(op, nd, layout: Layout, kernel, stride, padding, dilation) -> _ConvPlan:
+def _conv_plan(op, nd, layout: Layout, weight_shape, stride, padding, dilation) -> _ConvPlan:
     """Windows and local padding of one convolution call, built once per layout and arguments as given
     (``stride=1`` and ``stride=(1, 1)`` apart)."""
+    kernel = tuple(weight_shape[2:])
     stride, dilation = ntuple(stride, nd, "stride"), ntuple(dilation, nd, "dilation")
     padding = padding if isinstance(padding, str) else ntuple(padding, nd, "padding")
     shards = spatial_shards(op, layout, nd)
@@ -95,7 +96,7 @@ def _convolution(nd: int):
     def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         x, layout = unwrap(input)
         require_replicated(op, weight, bias)
-        plan = _conv_plan(op, nd, layout, tuple(weight.shape[2:]), stride, padding, dilation)
+        plan = _conv_plan(op, nd, layout, weight.shape, stride, padding, dilation)
         stride, dilation = plan.stride, plan.dilation
         x = autocast_input(x)
         if plan.local:

@@ -140,12 +140,19 @@ def elementwise(func: Callable) -> Callable:
         # The common calls of eager code, on the host path of every activation: one or two positional operands, the
         # first a shard, options by keyword (``gelu(x)``, ``nn.GELU``'s ``approximate=``, ``x + y``, ``x * scale``).
         if 0 < len(args) <= 2 and type(args[0]) is SpatialTensor and not _dynamo_compiling():
-            if not kwargs or not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            if not kwargs or not _tensor_in(kwargs):
                 layout = args[0]._layout
                 if len(args) == 2:
-                    args = (args[0], _beside(func, args[0], args[1]))
+                    other = args[1]
+                    if type(other) is SpatialTensor:
+                        if other._layout is not layout and other._layout != layout:
+                            common_layout(func, args)  # raises, naming both layouts
+                    elif isinstance(other, torch.Tensor):
+                        args = (args[0], localize(func, other, layout))
                 with _Plain():
                     out = func(*args, **kwargs) if kwargs else func(*args)
+                if type(out) is torch.Tensor and out is not args[-1]:  # computed here: no operand returned
+                    return adopt(out, layout)
                 return _result(out, args, layout)
         return general(args, kwargs)
 
@@ -163,14 +170,11 @@ def elementwise(func: Callable) -> Callable:
     return run
 
 
-def _beside(func: Callable, first: SpatialTensor, other):
-    """The second operand as this rank sees it next to the shard ``first``."""
-    layout = first._layout
-    if type(other) is SpatialTensor:
-        if other._layout is not layout and other._layout != layout:
-            common_layout(func, (first, other))  # raises, naming both layouts
-        return other
-    return localize(func, other, layout) if isinstance(other, torch.Tensor) else other
+def _tensor_in(kwargs: dict) -> bool:
+    for value in kwargs.values():  # a loop: a generator expression costs more than the check on this path
+        if isinstance(value, torch.Tensor):
+            return True
+    return False
 
 
 def _result(out, operands, layout):
