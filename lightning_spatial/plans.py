@@ -36,7 +36,7 @@ def planned(
     keyed_by: int | None = None,
 ) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate a pure function of hashable arguments (positional only) so that each distinct call is computed
-    once; see the module docstring for the rule under ``torch.compile``. ``f.forget()`` empties the table.
+    once; see the module docstring for the rule under ``torch.compile``.
 
     ``per_layout``: the first argument is a ``Layout``, which keeps the plans about it (at most ``maxsize``).
     ``keyed_by``: the plan depends on its first ``keyed_by`` arguments only; the others are an example it is computed
@@ -63,7 +63,6 @@ def planned(
         result = table[k] = func(*args)
         return result
 
-    plan.forget = table.clear
     return plan
 
 
@@ -86,7 +85,6 @@ def _per_layout(func: Callable, maxsize: int) -> Callable:
         result = table[args] = func(layout, *args)
         return result
 
-    plan.forget = lambda: None  # the tables go with their layouts
     return plan
 
 

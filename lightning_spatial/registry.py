@@ -28,7 +28,7 @@ What a handler receives, returns and may cache is the handler contract in docs/d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -106,9 +106,4 @@ def _name(func: Callable) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
-def registered() -> Iterable[Callable]:
-    """The torch functions that have a handler now."""
-    return tuple(_HANDLERS)
-
-
-__all__ = ["add_handlers", "handler_for", "register_handler", "registered", "remove_handler"]
+__all__ = ["add_handlers", "handler_for", "register_handler", "remove_handler"]
