@@ -8,6 +8,7 @@ from . import (
     autograd,
     conv,
     elementwise,
+    functions,
     index,
     loss,
     matmul,
@@ -29,6 +30,7 @@ FAMILIES = (
     elementwise,
     queries,
     autograd,
+    functions,
     conv,
     pad,
     pool,
@@ -47,9 +49,11 @@ FAMILIES = (
 
 
 def install() -> None:
-    """Register every family's handlers (``registry``), later families over earlier ones."""
+    """Register every family's handlers (``registry``), later families over earlier ones, and let user autograd
+    Functions see shards (``functions``)."""
     for family in FAMILIES:
         add_handlers(family.HANDLERS, override=True)
+    functions.install()
 
 
 __all__ = ["FAMILIES", "install"]

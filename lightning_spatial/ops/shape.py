@@ -244,6 +244,8 @@ def _registrations() -> dict:
     handlers = {}
     for f in (torch.Tensor.view, torch.Tensor.reshape, torch.reshape):
         handlers[f] = _reshape(f)
+    for like, f in ((torch.Tensor.view_as, torch.Tensor.view), (torch.Tensor.reshape_as, torch.Tensor.reshape)):
+        handlers[like] = lambda x, other, to=handlers[f]: to(x, other.shape)  # other's shape is global
     for f in (
         torch.flatten,
         torch.Tensor.flatten,
