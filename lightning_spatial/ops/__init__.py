@@ -20,6 +20,7 @@ from . import (
     reduce,
     resample,
     sample,
+    scan,
     select,
     shape,
 )
@@ -39,6 +40,7 @@ FAMILIES = (
     sample,
     random,
     reduce,
+    scan,
     shape,
     loss,
     matmul,
