@@ -14,8 +14,9 @@ a subclass made once per Function class, which
 
 A Function written in torch ops is therefore exact: element-wise ones stay local, the others reach their ops'
 handlers or the gather fallback (announced as usual). Code outside torch's dispatch (a C++/CUDA extension) sees
-only the local shard: an output or gradient of a shard's local shape, where the global one belongs, raises rather
-than being taken for a replicated value; register a handler for such a Function class (``register_handler``).
+only the local shards: a plain output or gradient that no torch function returned raises rather than being taken
+for a replicated value (a ``TorchFunctionMode`` records what torch functions return while the Function runs);
+register a handler for such a Function class (``register_handler``).
 Calls without a SpatialTensor argument run torch's ``apply`` unchanged, and so do torch's own Functions (a compiled
 graph's runtime runs on the stored shards by design); under ``torch.compile`` dynamo traces a Function's forward
 and backward itself.
@@ -24,16 +25,18 @@ and backward itself.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
 from torch.autograd.function import Function, _is_setup_context_defined
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 from ..collectives import across
 from ..layout import Layout, LayoutError
 from ..registry import _HANDLERS
-from ..tensor import SpatialTensor, _Plain, gather, unwrap, wrap
+from ..tensor import _GRAPH_OPS, SpatialTensor, gather, unwrap, wrap
 
 _APPLY = Function.__dict__["apply"]  # torch's own (a C++ classmethod in 2.14, Python in 2.11)
 _SAVED = torch._C._FunctionBase.saved_tensors.__get__
@@ -105,9 +108,10 @@ def _twin(cls: type[Function]) -> type[Function]:
     boxed = getattr(cls, "boxed_grads_call", False)  # backward takes its gradients as one list (torch >= 2.14)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        out = cls.forward(*args, **kwargs)
         inputs = args if setup_style else args[1:]
-        layouts = _output_layouts(cls, out, inputs)
+        with _Made() as made:
+            out = cls.forward(*args, **kwargs)
+        layouts = _output_layouts(cls, out, made, inputs)
         _OUTPUTS[-1] = layouts
         if not setup_style:
             _remember(args[0], inputs, layouts)
@@ -122,9 +126,13 @@ def _twin(cls: type[Function]) -> type[Function]:
         grads = [
             _true_gradient(g, layout, axes) for g, layout in zip(grads[0] if boxed else grads, ctx._output_layouts)
         ]
-        result = (cls.vjp if by_vjp else cls.backward)(ctx, *([grads] if boxed else grads))
+        with _Made() as made:
+            result = (cls.vjp if by_vjp else cls.backward)(ctx, *([grads] if boxed else grads))
         single = not isinstance(result, tuple)
         result = (result,) if single else result
+        for k, g in enumerate(result):
+            if type(g) is torch.Tensor and not made.here(g) and not any(g is x for x in grads):
+                _raise_outside(cls, f"the gradient of input {k}")
         local = (
             tuple(
                 g if layout is _NOT_A_TENSOR else _local_gradient(cls, k, g, layout, axes)
@@ -160,19 +168,34 @@ def _layout_or_marker(x: Any) -> Any:
     return None if isinstance(x, torch.Tensor) else _NOT_A_TENSOR
 
 
-def _output_layouts(cls: type, out: Any, inputs: tuple) -> tuple:
-    """Per output, its layout; a plain output shaped like a shard's local part is an extension's local result."""
+class _Made(TorchFunctionMode):
+    """Records the tensors torch functions return in a block: a plain result that is none of them was made outside
+    torch's dispatch (an extension's kernel, which saw only the local shards). ``torch.ops`` calls on shards run on
+    the local shards too (``SpatialTensor.__torch_function__``), so their results do not count."""
+
+    def __enter__(self) -> _Made:
+        self.made: dict[int, weakref.ref] = {}
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not isinstance(func, _GRAPH_OPS):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.made[id(t)] = weakref.ref(t)
+        return out
+
+    def here(self, t: torch.Tensor) -> bool:
+        ref = self.made.get(id(t))
+        return ref is not None and ref() is t
+
+
+def _output_layouts(cls: type, out: Any, made: _Made, inputs: tuple) -> tuple:
+    """Per output, its layout (``None``: replicated); a plain output made outside torch's dispatch raises."""
     outs = out if isinstance(out, tuple) else (out,)
-    local_shapes = {}
-    for x in inputs:
-        if isinstance(x, SpatialTensor):
-            with _Plain():
-                local = x.shape
-            if local != x._layout.global_shape(local):
-                local_shapes[local] = x._layout
     for k, o in enumerate(outs):
-        if type(o) is torch.Tensor and o.shape in local_shapes:
-            _raise_local(cls, f"output {k}", o.shape, local_shapes[o.shape])
+        if type(o) is torch.Tensor and not made.here(o) and not any(o is x for x in inputs):
+            _raise_outside(cls, f"output {k}")
     return tuple(_layout_or_marker(o) for o in outs)
 
 
@@ -195,7 +218,10 @@ def _local_gradient(cls: type, k: int, grad: Any, layout: Layout | None, axes: t
         if grad_layout is not None:  # sharded otherwise than the input: the full gradient, then the input's part
             local = gather(grad)
         elif not all(local.dim() >= -s.dim and local.shape[s.dim] == s.extent for s in layout.shards):
-            _raise_local(cls, f"the gradient of input {k}", local.shape, layout)
+            raise LayoutError(
+                f"{cls.__qualname__}: backward returned a plain gradient of shape {tuple(local.shape)} for input {k}, "
+                f"which is sharded [{layout.describe()}]: return the gradient with the input's global shape"
+            )
         if layout is not None:
             local = layout.take_local(local)
     replicated_on = _axes_off(layout, axes)
@@ -208,11 +234,11 @@ def _axes_off(layout: Layout | None, axes: tuple) -> tuple:
     return tuple(a for a in axes if a not in on)
 
 
-def _raise_local(cls: type, what: str, shape: torch.Size, layout: Layout) -> None:
+def _raise_outside(cls: type, what: str) -> None:
     raise LayoutError(
-        f"{cls.__qualname__}: {what} has the shape {tuple(shape)} of a shard's local part (the input is "
-        f"[{layout.describe()}]): code outside torch's dispatch (a C++/CUDA extension) ran on the local shard "
-        "alone, which is exact only for element-wise work. Register a handler for the Function "
+        f"{cls.__qualname__}: {what} was made outside torch's dispatch (a C++/CUDA extension's kernel, or a "
+        "torch.ops call), which sees only this rank's shards of the sharded inputs: taken for a replicated result, it "
+        "would be wrong. Register a handler for the Function "
         f"(lightning_spatial.register_handler({cls.__qualname__})) that runs it on x.to_local() and wraps the result, "
         "if it is element-wise, or on lightning_spatial.gather(x) otherwise"
     )

@@ -199,7 +199,7 @@ class LocalKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunction():  # no torch function dispatch, as in C++
             return x * 2
 
     @staticmethod
@@ -207,9 +207,45 @@ class LocalKernel(torch.autograd.Function):
         return grad * 2
 
 
+class LocalSampler(torch.autograd.Function):
+    """Stands for mmcv's CUDA multi-scale deformable attention: replicated queries read sharded values in a kernel
+    that sees the local shard only, and whose output has the queries' shape (nothing like a shard's)."""
+
+    @staticmethod
+    def forward(ctx, value, weights):
+        with torch._C.DisableTorchFunction():  # no torch function dispatch, as in C++
+            return value.sum(-1) @ weights
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise AssertionError("not reached")
+
+
+class LocalGradientKernel(torch.autograd.Function):
+    """Torch ops forward, an extension's kernel for the weight's gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch._C.DisableTorchFunction():  # no torch function dispatch, as in C++
+            return None, (grad * x).sum().reshape(1)
+
+
 def _local_kernel(layout):
     x = shard(torch.randn(B, C, H, _w(layout)), axes(layout))
-    with pytest.raises(LayoutError, match=r"LocalKernel: output 0 has the shape .*register_handler\(LocalKernel\)"):
+    with pytest.raises(LayoutError, match=r"LocalSampler: output 0 was made outside torch's dispatch"):
+        LocalSampler.apply(x, torch.randn(H, 2))
+    y = LocalGradientKernel.apply(x, torch.ones(1, requires_grad=True))
+    with pytest.raises(LayoutError, match=r"LocalGradientKernel: the gradient of input 1 was made outside"):
+        y.to_local().sum().backward()
+    with pytest.raises(
+        LayoutError, match=r"LocalKernel: output 0 was made outside torch's dispatch.*register_handler\(LocalKernel\)"
+    ):
         LocalKernel.apply(x)
 
     # The fix the message names: a handler for the Function class, here running the element-wise kernel per shard
