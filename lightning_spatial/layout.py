@@ -10,6 +10,11 @@ A dim may also be *merged*: camera tokens ``x.flatten(2)`` of a width-sharded ``
 each rank, the tokens of its columns in single-device order. A ``DimShard`` then describes one sharded
 *factor* of its dim (``outer`` and ``inner`` are the global sizes of the factors around it), so the global
 token order stays what one device would have and a later ``view(B, C, h, w)`` finds the spatial layout again.
+
+A token dim may hold several token sets one after another (*segments*: the levels of a feature pyramid
+concatenated, ``torch.cat(levels, 1)``): each rank holds its tokens of every segment, segment after segment, and a
+``DimShard`` lists its factor in each segment (``segments``). Splitting at the segments' borders gives each level
+back (``split``); an op that needs one token set raises until then (``Layout.factors``).
 """
 
 from __future__ import annotations
@@ -44,9 +49,12 @@ class DimShard:
     size: int
     outer: int = 1
     inner: int = 1
+    segments: tuple[tuple[int, int, int], ...] = ()  # per token segment: this factor's (outer, size, inner)
 
     @property
     def bounds(self) -> tuple[tuple[int, int], ...]:
+        if self.segments:
+            raise LayoutError(_SEGMENTED.format(dim=self.dim, n=len(self.segments)))
         return partition(self.size, self.axis.size)
 
     @property
@@ -60,11 +68,24 @@ class DimShard:
     @property
     def extent(self) -> int:
         """The global size of the tensor dim."""
+        if self.segments:
+            return sum(o * n * i for o, n, i in self.segments)
         return self.outer * self.size * self.inner
 
     @property
     def merged(self) -> bool:
-        return self.outer > 1 or self.inner > 1
+        return self.outer > 1 or self.inner > 1 or bool(self.segments)
+
+    def segment(self, k: int) -> DimShard:
+        """This factor in segment ``k``, as the shard of that token set alone."""
+        outer, size, inner = self.segments[k]
+        return DimShard(self.dim, self.axis, size, outer, inner)
+
+
+_SEGMENTED = (
+    "dim {dim} holds {n} token sets one after another (e.g. the levels of a feature pyramid concatenated); this op "
+    "needs one: split them back (x.split(sizes, dim)) before it, or gather"
+)
 
 
 @dataclass(frozen=True)
@@ -79,14 +100,21 @@ class Layout:
     plans: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        shards = tuple(sorted(self.shards, key=lambda s: (s.dim, s.outer)))
+        shards = tuple(sorted(self.shards, key=lambda s: (s.dim, s.outer, s.segments)))  # the same on every rank
         if any(s.dim >= 0 for s in shards):
             raise LayoutError(f"sharded dims must be negative, got {[s.dim for s in shards]}")
         axes = [s.axis.ranks for s in shards]
         if len(set(axes)) != len(axes):
             raise LayoutError("two dims cannot be sharded over the same mesh axis")
         for dim in {s.dim for s in shards}:
-            _factors(tuple(s for s in shards if s.dim == dim))  # validates that the factors nest
+            on = tuple(s for s in shards if s.dim == dim)
+            if any(s.segments for s in on):  # every factor lists the same segments, and each segment's nest
+                if len({len(s.segments) for s in on}) != 1 or not all(s.segments for s in on):
+                    raise LayoutError(f"the factors of dim {dim} list different token segments: {on}")
+                for k in range(len(on[0].segments)):
+                    _factors(tuple(s.segment(k) for s in on))
+            else:
+                _factors(on)  # validates that the factors nest
         object.__setattr__(self, "shards", shards)
         object.__setattr__(self, "dims", tuple(sorted({s.dim for s in shards})))
         object.__setattr__(self, "plans", {})
@@ -109,8 +137,14 @@ class Layout:
         return any(s.merged for s in self.shards)
 
     def factors(self, dim: int) -> tuple[tuple[int, DimShard | None], ...]:
-        """The factors of a sharded dim in row-major order: ``(global size, shard or None)``."""
+        """The factors of a sharded dim in row-major order: ``(global size, shard or None)``; raises for a dim of
+        several token segments (``segments``)."""
         return _factors(self.on(dim))
+
+    def segments(self, dim: int) -> tuple[Layout, ...] | None:
+        """Per token segment of ``dim``, the layout of that token set alone (its shards on ``dim``); ``None`` for a
+        dim of one token set."""
+        return _segments(self.on(dim))
 
     def global_shape(self, local: torch.Tensor | torch.Size) -> torch.Size:
         if isinstance(local, torch.Tensor):
@@ -127,12 +161,23 @@ class Layout:
         """This rank's sizes of a tensor of global ``shape`` with this layout."""
         shape = list(shape)
         for dim in self.dims:
-            shape[dim] = math.prod([s.stop - s.start if s else n for n, s in self.factors(dim)])
+            shape[dim] = sum(self.local_sizes(dim))
         return shape
+
+    def local_sizes(self, dim: int) -> list[int]:
+        """This rank's size of each token segment of sharded ``dim`` (one entry for a dim of one token set)."""
+        return [
+            math.prod([s.stop - s.start if s else n for n, s in p.factors(dim)]) for p in self.segments(dim) or (self,)
+        ]
 
     def take_local(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full (replicated) tensor: its rows of every sharded factor."""
         for dim in self.dims:
+            parts = self.segments(dim)
+            if parts is not None:  # each segment's part, one after another
+                pieces = full.split([p.on(dim)[0].extent for p in parts], dim)
+                full = torch.cat([p.take_local(piece) for p, piece in zip(parts, pieces)], dim)
+                continue
             factors = self.factors(dim)
             if len(factors) == 1:
                 s = factors[0][1]
@@ -174,6 +219,9 @@ class Layout:
 
     def describe(self) -> str:
         def one(s: DimShard) -> str:
+            if s.segments:
+                sets = " + ".join(f"{o}x[{n}]x{i}" for o, n, i in s.segments)
+                return f"dim {s.dim} of {sets} tokens (over {s.axis.size} ranks {s.axis.ranks})"
             merged = f" of {s.outer}x[{s.size}]x{s.inner} tokens" if s.merged else ""
             return f"dim {s.dim}{merged} ({s.size} over {s.axis.size} ranks {s.axis.ranks})"
 
@@ -205,7 +253,16 @@ def _cut_for(layout: Layout, shape: tuple[int, ...]) -> Layout | None:
 
 
 @planned
+def _segments(shards: tuple[DimShard, ...]) -> tuple[Layout, ...] | None:
+    if not shards or not shards[0].segments:
+        return None
+    return tuple(Layout(tuple(s.segment(k) for s in shards)) for k in range(len(shards[0].segments)))
+
+
+@planned
 def _factors(shards: tuple[DimShard, ...]) -> tuple[tuple[int, DimShard | None], ...]:
+    if shards and shards[0].segments:
+        raise LayoutError(_SEGMENTED.format(dim=shards[0].dim, n=len(shards[0].segments)))
     extent, out, done = shards[0].extent, [], 1
     for s in sorted(shards, key=lambda s: s.outer):
         if s.extent != extent or s.outer % done:
@@ -240,6 +297,9 @@ def _owners(shards: tuple[DimShard, ...], device: torch.device) -> torch.Tensor:
 def _with_sizes(layout: Layout, sizes: tuple[tuple[int, int | None], ...]) -> Layout | None:
     """``Layout.with_sizes``, built once per layout and sizes: ops call it every step."""
     new = dict(sizes)
+    for s in layout.shards:
+        if s.segments and new.get(s.dim) is not None:
+            raise LayoutError(_SEGMENTED.format(dim=s.dim, n=len(s.segments)))
     shards = [replace(s, size=new.get(s.dim, s.size)) for s in layout.shards if new.get(s.dim, 0) is not None]
     return Layout(tuple(shards)) if shards else None
 

@@ -181,15 +181,24 @@ def gather(x: torch.Tensor) -> torch.Tensor:
     if layout is None:
         return local
     for dim in layout.dims:
-        factors = layout.factors(dim)
-        pos = local.dim() + dim
-        if len(factors) > 1:  # a merged dim: gather each sharded factor, then merge again in global order
-            local = local.unflatten(pos, [s.stop - s.start if s else n for n, s in factors])
-        for k, (n, s) in enumerate(factors):
-            if s is not None:
-                local = all_gather(local, pos + k, s.axis, n)
-        if len(factors) > 1:
-            local = local.flatten(pos, pos + len(factors) - 1)
+        parts = layout.segments(dim)
+        if parts is None:
+            local = _gather_dim(local, dim, layout.factors(dim))
+        else:  # token segments one after another: each gathered on its own
+            pieces = local.split(layout.local_sizes(dim), dim)
+            local = torch.cat([_gather_dim(q, dim, p.factors(dim)) for q, p in zip(pieces, parts)], dim)
+    return local
+
+
+def _gather_dim(local: torch.Tensor, dim: int, factors) -> torch.Tensor:
+    pos = local.dim() + dim
+    if len(factors) > 1:  # a merged dim: gather each sharded factor, then merge again in global order
+        local = local.unflatten(pos, [s.stop - s.start if s else n for n, s in factors])
+    for k, (n, s) in enumerate(factors):
+        if s is not None:
+            local = all_gather(local, pos + k, s.axis, n)
+    if len(factors) > 1:
+        local = local.flatten(pos, pos + len(factors) - 1)
     return local
 
 

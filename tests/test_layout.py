@@ -111,6 +111,35 @@ def test_token_positions_and_owners_partition_the_tokens_in_order():
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(70))
 
 
+def _level_layout(ih: int, iw: int) -> Layout:
+    """Two token sets one after another on 2 x 3 ranks: a 5 x 7 level (35 tokens) and a 2 x 4 level (8)."""
+    h = DimShard(-2, Axis((0, 3), ih), 43, segments=((1, 5, 7), (1, 2, 4)))
+    w = DimShard(-2, Axis((0, 1, 2), iw), 43, segments=((5, 7, 1), (2, 4, 1)))
+    return Layout((w, h))
+
+
+def test_token_segments_hold_each_ranks_tokens_of_every_set_in_order():
+    seen = []
+    for ih in range(2):
+        for iw in range(3):
+            layout = _level_layout(ih, iw)
+            full = torch.arange(43).view(43, 1)
+            mine = layout.take_local(full).flatten()
+            first, second = layout.segments(-2)  # each set alone, as its own token layout
+            expected = torch.cat([first.take_local(full[:35]), 35 + second.take_local(full[:8])]).flatten()
+            assert torch.equal(mine, expected) and torch.equal(layout.positions(-2), mine)
+            assert layout.local_sizes(-2) == [len(first.take_local(full[:35])), len(second.take_local(full[:8]))]
+            assert layout.global_shape(torch.Size([3, len(mine), 4])) == (3, 43, 4)
+            assert layout.local_shape([3, 43, 4]) == [3, len(mine), 4]
+            seen.append(mine)
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(43))
+    assert "5x[7]x1 + 2x[4]x1 tokens" in _level_layout(0, 0).describe()
+    with pytest.raises(ValueError, match="holds 2 token sets one after another"):
+        _level_layout(0, 0).factors(-2)
+    with pytest.raises(ValueError, match="list different token segments"):
+        Layout((DimShard(-2, Axis((0, 3), 0), 35, segments=((1, 5, 7),)), _level_layout(0, 0).on(-2)[1]))
+
+
 def test_a_layout_pickles_without_its_plans():
     """DataLoader workers receive layouts; plans kept with one may have keys pickle refuses (``x.mT``'s getter keys
     a permutation)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives import across, all_gather
+from ..fallback import fallback
 from ..layout import DimShard
 from ..tensor import adopt, on_shard, unwrap
 from ._binding import bound
@@ -26,6 +27,8 @@ def cumsum(input, dim, dtype=None):
     dim = dim % x.dim() - x.dim()
     if not layout.on(dim):
         return adopt(on_shard(torch.cumsum, input, dim, dtype=dtype), layout)
+    if layout.segments(dim) is not None:  # token sets one after another: the exact fallback
+        return fallback(torch.cumsum, (input, dim), {"dtype": dtype})
     if dtype is None and not (x.is_floating_point() or x.is_complex()):
         dtype = torch.int64  # as torch: integral and boolean inputs sum in int64
     if dtype is not None:

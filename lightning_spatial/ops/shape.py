@@ -11,6 +11,7 @@ into tokens (``x.flatten(2)``) and splitting them back (``view(B, C, h, w)``) ar
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,13 @@ def track(layout: Layout, global_in, global_out) -> Layout | None:
 def _track(layout: Layout, global_in: tuple, global_out: tuple) -> Layout | None:
     shards = []
     for s in layout.shards:
+        if s.segments:  # token sets one after another: the dim must stay whole
+            before = math.prod(global_in[: len(global_in) + s.dim])
+            q = next((q for q in range(len(global_out)) if math.prod(global_out[:q]) == before), None)
+            if q is None or global_out[q] != s.extent:
+                return None
+            shards.append(replace(s, dim=q - len(global_out)))
+            continue
         before = math.prod(global_in[: len(global_in) + s.dim]) * s.outer  # P: elements' outer index range
         a = 1
         for q, n in enumerate(global_out):
@@ -143,6 +151,8 @@ def _join(func):
     def join(tensors, dim):
         layout = next(t._layout for t in tensors if isinstance(t, SpatialTensor))
         ndim = next(t.dim() for t in tensors if isinstance(t, SpatialTensor)) + stacks  # of the result
+        if not stacks and -ndim <= dim < ndim and (sets := token_sets(tensors, dim % ndim - ndim)) is not None:
+            return adopt(func([t.to_local() for t in tensors], dim), sets)
         if not (-ndim <= dim < ndim and all(_joins(t, layout) for t in tensors)):
             return _bad_or_fallback(func, (tensors, dim), {})
         at = dim % ndim
@@ -156,6 +166,26 @@ def _join(func):
         return adopt(local, layout.moved({d: d - (stacks and ndim - 1 + d < at) for d in layout.dims}))
 
     return join
+
+
+def token_sets(tensors, dim: int) -> Layout | None:
+    """The layout of ``torch.cat(tensors, dim)`` along a sharded token dim, each operand a token set (a level of a
+    feature pyramid, a camera) sharded over the same axes and alike on every other dim: the result holds their
+    segments one after another (``Layout.segments``), each rank its own tokens of each; ``None`` otherwise."""
+    if len(tensors) < 2 or not all(isinstance(t, SpatialTensor) for t in tensors):
+        return None
+    rest = tuple(s for s in tensors[0]._layout.shards if s.dim != dim)
+    segments: dict = {}  # axis -> its factor's (outer, size, inner) per segment
+    for t in tensors:
+        on = t._layout.on(dim)
+        if not on or not all(s.merged for s in on) or tuple(x for x in t._layout.shards if x.dim != dim) != rest:
+            return None
+        if segments and {s.axis for s in on} != segments.keys():
+            return None
+        for s in on:
+            segments.setdefault(s.axis, []).extend(s.segments or ((s.outer, s.size, s.inner),))
+    extent = sum(math.prod(t) for t in next(iter(segments.values())))
+    return Layout(rest + tuple(DimShard(dim, axis, extent, segments=tuple(sets)) for axis, sets in segments.items()))
 
 
 def _joins(t: torch.Tensor, layout: Layout) -> bool:
@@ -176,11 +206,45 @@ def _split(func):
             return _bad_or_fallback(func, (input,), {"dim": dim, **sizes})
         at = dim % x.dim()
         if any(x.dim() + d == at for d in layout.dims):
-            return fallback(func, (input,), {"dim": dim, **sizes})
+            pieces = None if removes else _split_token_sets(x, layout, at - x.dim(), sizes)
+            return fallback(func, (input,), {"dim": dim, **sizes}) if pieces is None else pieces
         new = layout.moved({d: d + (removes and x.dim() + d < at) for d in layout.dims})
         return tuple(adopt(o, new) for o in func(x, dim=dim, **sizes))
 
     return split
+
+
+def _split_token_sets(x: torch.Tensor, layout: Layout, dim: int, sizes: dict) -> tuple | None:
+    """``split`` of a dim of token segments at their borders (mmcv: ``value.split([h * w ...], dim=1)``): each piece
+    keeps its segments' layout, locally, with no communication; ``None`` for any other split."""
+    parts = layout.segments(dim)
+    (wanted,) = sizes.values() if len(sizes) == 1 else (None,)
+    if parts is None or not isinstance(wanted, (list, tuple)):
+        return None
+    extents = [p.on(dim)[0].extent for p in parts]
+    local, groups, k = layout.local_sizes(dim), [], 0
+    for size in map(int, wanted):  # consecutive segments that make up each piece
+        j, total = k, 0
+        while j < len(extents) and total < size:
+            total, j = total + extents[j], j + 1
+        if total != size or j == k:
+            return None
+        groups.append((k, j))
+        k = j
+    if k != len(extents):
+        return None
+    rest = tuple(s for s in layout.shards if s.dim != dim)
+    on = layout.on(dim)
+    pieces = x.split([sum(local[a:b]) for a, b in groups], dim)
+    return tuple(
+        adopt(piece, Layout(rest + (parts[a].shards if b - a == 1 else tuple(_subset(s, a, b) for s in on))))
+        for piece, (a, b) in zip(pieces, groups)
+    )
+
+
+def _subset(s: DimShard, a: int, b: int) -> DimShard:
+    """Segments ``a`` to ``b`` of a segmented factor."""
+    return replace(s, size=sum(o * n * i for o, n, i in s.segments[a:b]), segments=s.segments[a:b])
 
 
 def _bad_or_fallback(func, args: tuple, kwargs: dict):
