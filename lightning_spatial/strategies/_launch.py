@@ -1,4 +1,4 @@
-"""Which launcher a spatial strategy takes, for the Trainer and Fabric alike.
+"""Which launcher a spatial strategy takes, and the names it is registered under, for the Trainer and Fabric alike.
 
 Under torchrun or SLURM the processes exist already: each would otherwise fork ``devices`` more (start_method "fork"
 or "spawn"), and their process groups could not form; the script launcher then starts nothing. One process runs in
@@ -13,6 +13,14 @@ from contextlib import contextmanager
 from typing import Literal
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.strategies.registry import _StrategyRegistry
+
+
+def register(registry: _StrategyRegistry, strategy: type) -> None:
+    """``"spatial_tp"`` and ``"spatial_tp_fork"`` (the fork start method: CPU runs, notebooks) for ``strategy``."""
+    registry.register("spatial_tp", strategy, description="Spatial (height/width) x data parallel training")
+    fork = "spatial_tp with the fork start method"
+    registry.register("spatial_tp_fork", strategy, description=fork, start_method="fork")
 
 
 def launch_kind(
@@ -39,4 +47,4 @@ def environment_kept() -> Iterator[None]:
         os.environ.update(saved)
 
 
-__all__ = ["environment_kept", "launch_kind"]
+__all__ = ["environment_kept", "launch_kind", "register"]

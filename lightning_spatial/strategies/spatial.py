@@ -60,7 +60,7 @@ from ..sharding import Select, describe
 from ..tensor import SpatialTensor, gather
 from ._gradients import before_ddp, register_comm_hook, share
 from ._groups import SpatialGroups
-from ._launch import environment_kept, launch_kind
+from ._launch import environment_kept, launch_kind, register
 from ._loaders import prepare_loader, sharded
 from ._options import CudaGraphs, check_options, graph_names
 from ._scopes import RunScope, graphed, naming_the_layer
@@ -381,12 +381,7 @@ class SpatialParallelStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Spatial (height/width) x data parallel training"
-        )
-        strategy_registry.register(
-            "spatial_tp_fork", cls, description="spatial_tp with the fork start method", start_method="fork"
-        )
+        register(strategy_registry, cls)
 
 
 class _InProcessLauncher(_SubprocessScriptLauncher):
