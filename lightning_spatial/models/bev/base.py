@@ -65,9 +65,8 @@ class BEVDetector(L.LightningModule):
         ``spatial_tp``)."""
         fabric = self._fabric
         if fabric is not None:
-            return (
-                fabric.all_reduce(count.float(), reduce_op="mean") if self.training and fabric.world_size > 1 else count
-            )
+            averaged = self.training and fabric.world_size > 1
+            return fabric.all_reduce(count.float(), reduce_op="mean") if averaged else count
         trainer = self._trainer
         if trainer is None or trainer.world_size == 1 or not trainer.training:
             return count
