@@ -23,6 +23,7 @@ from torchmetrics.aggregation import SumMetric
 
 from lightning_spatial import SpatialFallbackWarning, SpatialTensor, mesh, run
 from lightning_spatial.fabric import SpatialParallelStrategy
+from lightning_spatial.fabric.strategy import _FirstTrainingStep
 from lightning_spatial.graphs import CUDAGraphed
 from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, SegNet
@@ -201,3 +202,28 @@ def test_one_process_trains_in_this_process():
     assert dict(os.environ) == environ
     fabric.strategy.teardown()
     assert not dist.is_initialized() and mesh._GROUPS == groups
+
+
+def _first_step_chooses_graphs() -> None:
+    """``cuda_graphs="auto"``'s choice, on CPU (where the strategy watches nothing, and replays run eagerly): a
+    validation forward does not count, the first training forward is watched, and the first backward wraps the
+    chosen submodules for the run."""
+    fabric = launched(2, 2, cuda_graphs=False)
+    loader = fabric.setup_dataloaders(DataLoader(Images(4, 16, 24), batch_size=2))
+    model, optimizer = segnet(fabric)
+    step = _FirstTrainingStep(model.module)
+    fabric.strategy._first_steps.append(step)
+    batch = next(iter(loader))
+    with torch.no_grad():
+        model.eval()(batch["image"])
+    assert not step.ran and not step.watch.seen
+    train(fabric, model.train(), optimizer, loader, 2)
+    chosen = [name for name, m in model.module.named_children() if isinstance(m, CUDAGraphed)]
+    assert chosen == ["enc1", "enc2", "head"], chosen  # "up" holds no weights
+    assert not fabric.strategy._first_steps and not step.watch._handles
+    fabric.strategy.teardown()
+    assert not any(isinstance(m, CUDAGraphed) for m in model.module.children()), "the graphs outlived the run"
+
+
+def test_the_first_training_step_chooses_the_modules_to_replay():
+    run_spmd(_first_step_chooses_graphs, 2)
