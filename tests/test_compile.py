@@ -163,10 +163,10 @@ def test_handlers_that_call_torch_on_shards_are_traced_through(layout, op):
 
 
 def _fallback_case():
-    op = lambda x: x.cumsum(-1) * 2  # noqa: E731
+    op = lambda x: x.cumprod(-1) * 2  # noqa: E731
     compiled = torch.compile(op, backend=recording())
     x = torch.randn(2, 3, 4, 10, dtype=torch.float64)
-    with pytest.warns(UserWarning, match="cumsum has no spatial handler"):
+    with pytest.warns(UserWarning, match="cumprod has no spatial handler"):
         check(
             lambda x: compiled(x) if isinstance(x, SpatialTensor) else op(x),
             [x],

@@ -101,6 +101,7 @@ def _documented_names() -> set[str]:
 # Handlers ops.md names in a group or by another spelling.
 ALIASES = {
     "__getitem__": "x[...]",
+    "setitem__": "__setitem__",
     "linalg_vector_norm": "linalg.vector_norm",
     "concat": "cat",
     "matmul__": "__matmul__",

@@ -6,7 +6,8 @@ fallbacks turned into errors: no op gathers.
 
 Both meet a common pattern: a map pooled to 1x1 (replicated), resized to a sharded map's size with
 ``F.interpolate(size=x.shape[-2:])`` and joined with sharded maps (DeepLabV3's ASPP image pooling: ``torch.cat``;
-the FPN's global-context level: the top-down add). float64, float64 tolerance (``oracle.RTOL_FLOAT64``).
+the FPN's global-context level: the top-down add). EfficientNet-PyTorch brings its own autograd Function.
+float64, float64 tolerance (``oracle.RTOL_FLOAT64``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _case(layout: str, build, name: str) -> None:
     def run(x):
         torch.manual_seed(1)  # dropout (DeepLabV3, FCN) draws the same global mask on both sides
         out = models[isinstance(x, SpatialTensor)](x)
-        return tuple(out.values())
+        return tuple(out.values()) if isinstance(out, dict) else out
 
     with fallback_mode("error"):
         check(run, [x], sharded=[0], axes=axes(layout), modules=(models[False], models[True]), rtol=RTOL.get(name))
@@ -82,3 +83,16 @@ def test_torchvision_segmentation_models_train_spatially_and_exactly(name, layou
 @pytest.mark.parametrize("backbone", ["resnet18", "convnext_atto"])
 def test_timm_features_under_a_torchvision_fpn_train_spatially_and_exactly(backbone, layout):
     run_spmd(_case, LAYOUTS[layout][0], layout, FPNWithContext, backbone)
+
+
+def _efficientnet(name: str) -> torch.nn.Module:
+    """lukemelas' EfficientNet-PyTorch, the trunk of Lift-Splat-Shoot and Simple-BEV: its default activation is a
+    memory-efficient Swish written as a ``torch.autograd.Function`` (``SwishImplementation``)."""
+    from efficientnet_pytorch import EfficientNet
+
+    return EfficientNet.from_name(name, num_classes=3)
+
+
+@pytest.mark.parametrize("layout", ["w2", "2x2"])
+def test_efficientnet_pytorch_with_its_autograd_function_swish_trains_spatially_and_exactly(layout):
+    run_spmd(_case, LAYOUTS[layout][0], layout, _efficientnet, "efficientnet-b0", timeout=600)

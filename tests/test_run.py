@@ -15,30 +15,30 @@ from lightning_spatial.run import Run, current, entered
 from tests.spmd import axes, run_spmd
 
 
-class Flip(torch.nn.Module):
+class Roll(torch.nn.Module):
     def forward(self, x):
-        return torch.flip(x, [-1])  # no spatial handler: the fallback
+        return torch.roll(x, 1, -1)  # no spatial handler: the fallback
 
 
 def _nested_case():
     x = lightning_spatial.shard(torch.randn(1, 2, 4, 8), axes("w2"))
-    flip = Flip()
+    roll = Roll()
     outer = current()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with entered(Run(module_names={id(flip): "head.flip"})) as first:
-            flip(x)
-            flip(x)  # announced once per op and layer in a run
+        with entered(Run(module_names={id(roll): "head.roll"})) as first:
+            roll(x)
+            roll(x)  # announced once per op and layer in a run
             with entered(Run(fallback="error")) as second:
                 assert current() is second and second.module_names == {}
-                with pytest.raises(LayoutError, match=r"torch.flip has no spatial handler"):
-                    flip(x)  # the inner run names no module and raises
+                with pytest.raises(LayoutError, match=r"torch.roll has no spatial handler"):
+                    roll(x)  # the inner run names no module and raises
             assert current() is first and first.fallback == "warn"
         with entered(Run()):
-            flip(x)  # a new run announces again
+            roll(x)  # a new run announces again
     assert current() is outer and not outer.warned
     messages = [str(w.message) for w in caught if w.category is SpatialFallbackWarning]
-    assert len(messages) == 2 and "in module 'head.flip' (Flip)" in messages[0] and "in module" not in messages[1]
+    assert len(messages) == 2 and "in module 'head.roll' (Roll)" in messages[0] and "in module" not in messages[1]
 
 
 def test_nested_runs_keep_their_own_fallback_state():

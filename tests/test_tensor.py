@@ -103,11 +103,11 @@ def _fallback_case(layout):
     full = torch.randn(2, 3, 6, 11)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        check(lambda x: torch.flip(x, [-1, -2]).cumsum(-1), [full], [0], axes(layout), allow_fallback=True)
+        check(lambda x: torch.roll(x, (1, 2), (-1, -2)).cumprod(-1), [full], [0], axes(layout), allow_fallback=True)
         check(lambda x: x.sum(dim=(-1, -2)), [full], [0], axes(layout), allow_fallback=True)
         check(lambda x: torch.where(x > 0.5), [full], [0], axes(layout), allow_fallback=True)  # global indices
     names = " ".join(str(w.message) for w in caught)
-    assert "flip" in names and "cumsum" in names and "sum" in names
+    assert "torch.roll" in names and "Tensor.cumprod" in names and "torch.where" in names
     # in place: the write lands in the right shard
     x = shard(full.clone(), axes(layout))
     x[..., 0, 0] = 5.0
@@ -129,7 +129,7 @@ def _double_backward_case():
     halo = torch.nn.functional.conv2d(wrap(local, x.shard_layout), w, padding=1).to_local().square().sum()
     reduction = wrap(local, x.shard_layout).square().sum().square()  # an all-reduce, no halo
     with pytest.warns(UserWarning, match="no spatial handler"):
-        gathered = wrap(local, x.shard_layout).square().cumsum(-1).to_local().square().sum()  # the fallback's gather
+        gathered = wrap(local, x.shard_layout).square().cumprod(-1).to_local().square().sum()  # the fallback's gather
     for loss in (halo, reduction, gathered):
         (grad_x,) = torch.autograd.grad(loss, local, create_graph=True)
         with pytest.raises(RuntimeError, match="once_differentiable"):
@@ -167,7 +167,7 @@ def test_inplace_ops_on_replicated_tensors_write_the_whole_tensor(layout):
 
 class _Block(torch.nn.Module):
     def forward(self, x):
-        return torch.flip(x, [-1])
+        return torch.roll(x, 1, -1)
 
 
 def _orphan(local_shape, global_width):
@@ -212,9 +212,9 @@ def test_fallback_is_announced_before_any_communication_with_op_module_and_bytes
                 with pytest.raises(SpatialFallbackWarning) as caught:
                     block(x)
         message = str(caught.value)
-        assert "torch.flip in module 'backbone.stage1' (_Block)" in message
+        assert "torch.roll in module 'backbone.stage1' (_Block)" in message
         assert "gathering 2.00 MiB (1 sharded operand)" in message and "docs/ops.md" in message
-        with fallback_mode("error"), pytest.raises(LayoutError, match=r"torch.flip in module .* would gather 2.00 MiB"):
+        with fallback_mode("error"), pytest.raises(LayoutError, match=r"torch.roll in module .* would gather 2.00 MiB"):
             block(x)
         with warnings.catch_warnings(record=True) as records:
             warnings.simplefilter("always")
@@ -222,8 +222,8 @@ def test_fallback_is_announced_before_any_communication_with_op_module_and_bytes
                 with pytest.raises(RuntimeError, match="no process group"):
                     block(x)
             with pytest.raises(RuntimeError, match="no process group"):
-                torch.flip(x, [-1])  # outside the module: announced again, without a module
+                torch.roll(x, 1, -1)  # outside the module: announced again, without a module
             with fallback_mode("silent"), pytest.raises(RuntimeError, match="no process group"):
-                torch.cumsum(x, -1)
+                torch.cumprod(x, -1)
         assert [w.category for w in records] == [SpatialFallbackWarning] * 2
         assert "in module" not in str(records[1].message) and records[0].filename == __file__  # the user's line

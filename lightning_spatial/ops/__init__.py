@@ -8,6 +8,7 @@ from . import (
     autograd,
     conv,
     elementwise,
+    functions,
     index,
     loss,
     matmul,
@@ -19,6 +20,7 @@ from . import (
     reduce,
     resample,
     sample,
+    scan,
     select,
     shape,
 )
@@ -29,6 +31,7 @@ FAMILIES = (
     elementwise,
     queries,
     autograd,
+    functions,
     conv,
     pad,
     pool,
@@ -37,6 +40,7 @@ FAMILIES = (
     sample,
     random,
     reduce,
+    scan,
     shape,
     loss,
     matmul,
@@ -47,9 +51,11 @@ FAMILIES = (
 
 
 def install() -> None:
-    """Register every family's handlers (``registry``), later families over earlier ones."""
+    """Register every family's handlers (``registry``), later families over earlier ones, and let user autograd
+    Functions see shards (``functions``)."""
     for family in FAMILIES:
         add_handlers(family.HANDLERS, override=True)
+    functions.install()
 
 
 __all__ = ["FAMILIES", "install"]

@@ -14,7 +14,7 @@ from ..fallback import name_of
 from ..halo import fetch_window
 from ..layout import DimShard, Layout, LayoutError, partition
 from ..plans import planned
-from ..tensor import SpatialTensor
+from ..tensor import SpatialTensor, _Plain
 
 
 def ntuple(value: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
@@ -156,19 +156,28 @@ def moved_shards(shards, dim: int) -> tuple[DimShard, ...]:
 
 
 def common_layout(func: Callable, operands) -> Layout:
-    """The one layout of the sharded operands (raises if two differ)."""
-    layout = None
-    for t in operands:
-        if isinstance(t, SpatialTensor):
-            if layout is None:
-                layout = t._layout
-            elif t._layout != layout:
-                raise LayoutError(
-                    f"{name_of(func)}: operands have different layouts [{layout.describe()}] and "
-                    f"[{t._layout.describe()}]; reshard one (gather + shard) so both match"
-                )
-    assert layout is not None
-    return layout
+    """The layout of an element-wise result: the sharded operands' widest layout, which the others must match or
+    broadcast against (each of their shards is one of its, and they have size 1 along its other sharded dims,
+    e.g. ``x - x.mean(-1, keepdim=True)`` on 2-D tiles); raises otherwise."""
+    sharded = [t for t in operands if isinstance(t, SpatialTensor)]
+    widest = max((t._layout for t in sharded), key=lambda layout: len(layout.shards))
+    for t in sharded:
+        if t._layout is not widest and t._layout != widest and not _broadcasts(t, widest):
+            raise LayoutError(
+                f"{name_of(func)}: operands have different layouts [{widest.describe()}] and "
+                f"[{t._layout.describe()}], and one does not broadcast against the other; reshard one (gather + "
+                "shard) so both match"
+            )
+    return widest
+
+
+def _broadcasts(t: SpatialTensor, layout: Layout) -> bool:
+    own = set(t._layout.shards)
+    with _Plain():
+        shape = t.shape
+    return own <= set(layout.shards) and all(
+        len(shape) < -s.dim or shape[s.dim] == 1 for s in layout.shards if s not in own
+    )
 
 
 def localize(func: Callable, t: Any, layout: Layout) -> Any:

@@ -5,7 +5,8 @@ the spatial group that sum to it. ``torch.autograd.grad`` therefore seeds a repl
 ``1/S`` of its gradient on each of the ``S`` ranks, as the strategy's ``backward`` does, so the gradient of a
 sharded input is exactly its part of the true gradient, returned sharded like the input; ``x.grad`` of a
 sharded leaf is returned sharded like ``x`` too. A replicated input's (a weight's) gradient is this rank's
-share: sum it over the spatial group for the true gradient.
+share: sum it over the spatial group for the true gradient. ``torch.autograd.backward`` and ``y.backward(g)`` on
+sharded outputs (reentrant checkpointing calls them) seed the same way.
 """
 
 from __future__ import annotations
@@ -28,20 +29,40 @@ def grad_of(x: SpatialTensor):
 
 
 def autograd_grad(outputs, inputs, grad_outputs=None, **kwargs):
-    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     single = isinstance(inputs, torch.Tensor)
     inputs = (inputs,) if single else tuple(inputs)
-    if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
-        grad_outputs = (grad_outputs,) * len(outputs) if grad_outputs is None else (grad_outputs,)
-    axes = {s.axis for t in (*outputs, *inputs) if isinstance(t, SpatialTensor) for s in t.shard_layout.shards}
-    spatial = math.prod([a.size for a in axes])
-    seeds = [_seed(o, g, spatial) for o, g in zip(outputs, grad_outputs)]
+    outputs, seeds = _seeded(outputs, grad_outputs, inputs)
     with torch._C.DisableTorchFunctionSubclass():
         grads = torch.autograd.grad(outputs, inputs, seeds, **kwargs)
     return tuple(
         wrap(unwrap(g)[0], x.shard_layout) if isinstance(x, SpatialTensor) and g is not None else g
         for x, g in zip(inputs, grads)
     )
+
+
+def autograd_backward(
+    tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None
+):
+    """``torch.autograd.backward`` (``y.backward(g)``, reentrant checkpointing) seeded as ``autograd_grad``; the
+    gradients of sharded leaves accumulate sharded like them (``x.grad``)."""
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())
+    tensors, seeds = _seeded(tensors, grad_tensors, inputs)
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.autograd.backward(tensors, seeds, retain_graph, create_graph, inputs=inputs or None)
+
+
+def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    autograd_backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+
+def _seeded(outputs, grad_outputs, inputs) -> tuple[tuple, list]:
+    """The outputs and their seeds: local parts of sharded outputs' gradients, shares of replicated ones'."""
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = (grad_outputs,) * len(outputs) if grad_outputs is None else (grad_outputs,)
+    axes = {s.axis for t in (*outputs, *inputs) if isinstance(t, SpatialTensor) for s in t.shard_layout.shards}
+    spatial = math.prod([a.size for a in axes])
+    return outputs, [_seed(o, g, spatial) for o, g in zip(outputs, grad_outputs)]
 
 
 def _seed(output: torch.Tensor, grad, spatial: int):
@@ -53,6 +74,11 @@ def _seed(output: torch.Tensor, grad, spatial: int):
     return unwrap(grad)[0] / spatial
 
 
-HANDLERS = {_GRAD: grad_of, torch.autograd.grad: autograd_grad}
+HANDLERS = {
+    _GRAD: grad_of,
+    torch.autograd.grad: autograd_grad,
+    torch.autograd.backward: autograd_backward,
+    torch.Tensor.backward: tensor_backward,
+}
 
-__all__ = ["HANDLERS", "autograd_grad", "grad_of"]
+__all__ = ["HANDLERS", "autograd_backward", "autograd_grad", "grad_of", "tensor_backward"]

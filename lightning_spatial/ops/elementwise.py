@@ -146,7 +146,7 @@ def elementwise(func: Callable) -> Callable:
                     other = args[1]
                     if type(other) is SpatialTensor:
                         if other._layout is not layout and other._layout != layout:
-                            common_layout(func, args)  # raises, naming both layouts
+                            return general(args, kwargs)  # one broadcasts against the other, or it raises
                     elif isinstance(other, torch.Tensor):
                         args = (args[0], localize(func, other, layout))
                 with _Plain():

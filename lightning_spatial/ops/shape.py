@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..collectives import MAX, across_detached
 from ..fallback import fallback
+from ..halo import fetch_window
 from ..layout import DimShard, Layout, LayoutError
 from ..plans import planned
 from ..tensor import SpatialTensor, adopt, on_shard, unwrap
@@ -189,21 +190,35 @@ def _bad_or_fallback(func, args: tuple, kwargs: dict):
 
 
 def _index_map(index, ndim: int) -> dict[int, int] | None:
-    """Input dim -> output dim for basic indexing (ints, slices, None, Ellipsis); None for advanced indexing.
-    Only dims indexed with a full slice ``:`` are mapped."""
+    """Input dim -> output dim (negative) of the dims indexed with a full slice ``:``; ``None`` if the index is not
+    one torch applies dim by dim: ints, slices, ``None``, ``Ellipsis`` and at most one replicated advanced index
+    (a boolean mask over one or more dims, or integer indices; tensor, numpy array or list), e.g. per-sample
+    choices ``x[keep]`` with ``keep`` of shape ``(B,)``."""
     index = index if isinstance(index, tuple) else (index,)
-    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
+    advanced = [k for k, i in enumerate(index) if not (i is None or i is Ellipsis or isinstance(i, (int, slice)))]
+    if len(advanced) > 1 or any(isinstance(i, (bool, SpatialTensor)) for i in index):
         return None
-    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    width = {}  # position in ``index`` -> (input dims it consumes, output dims it makes)
+    for k in advanced:
+        mask = torch.as_tensor(index[k])
+        if mask.dtype == torch.bool:
+            width[k] = (mask.dim(), 1)
+        elif not mask.dtype.is_floating_point and not mask.dtype.is_complex:
+            width[k] = (1, mask.dim())
+        else:
+            return None
+    consumed = sum(width.get(k, (1,))[0] for k, i in enumerate(index) if i is not None and i is not Ellipsis)
     expanded = []
-    for i in index:
-        expanded.extend([slice(None)] * (ndim - consumed) if i is Ellipsis else [i])
-    if Ellipsis not in index:
+    for k, i in enumerate(index):
+        expanded.extend([slice(None)] * (ndim - consumed) if i is Ellipsis else [width.get(k, i)])
+    if not any(i is Ellipsis for i in index):  # ``in`` would compare arrays element-wise
         expanded.extend([slice(None)] * (ndim - consumed))
     mapping, d_in, d_out = {}, 0, 0
     for i in expanded:
         if i is None:
             d_out += 1
+        elif isinstance(i, tuple):  # the advanced index's (consumed, made)
+            d_in, d_out = d_in + i[0], d_out + i[1]
         elif isinstance(i, int):
             d_in += 1
         else:
@@ -214,13 +229,46 @@ def _index_map(index, ndim: int) -> dict[int, int] | None:
 
 
 def getitem(input, index):
-    """Indexing that leaves every sharded dim whole (``x[:, 0]``, ``x[..., None]``) is local."""
+    """Indexing that leaves every sharded dim whole (``x[:, 0]``, ``x[..., None]``, ``x[keep]`` with a replicated
+    per-sample mask) is local."""
     x, layout = unwrap(input)
     mapping = _index_map(index, x.dim())
     ndim = x.dim()
     if mapping is None or any(ndim + d not in mapping for d in layout.dims):
         return fallback(torch.Tensor.__getitem__, (input, index), {})
     return adopt(x[index], layout.moved({d: mapping[ndim + d] for d in layout.dims}))
+
+
+def setitem(input, index, value):
+    """``x[index] = value`` where the index leaves every sharded dim whole (``x[keep] = x[keep].flip(-1)``): each
+    rank writes its rows; a replicated value is cut to them (``localize``)."""
+    x, layout = unwrap(input)
+    mapping = _index_map(index, x.dim())
+    ndim = x.dim()
+    if mapping is None or any(ndim + d not in mapping for d in layout.dims):
+        return fallback(torch.Tensor.__setitem__, (input, index, value), {})
+    target = layout.moved({d: mapping[ndim + d] for d in layout.dims})
+    if isinstance(value, SpatialTensor) and value._layout != target:
+        return fallback(torch.Tensor.__setitem__, (input, index, value), {})
+    value = value.to_local() if isinstance(value, SpatialTensor) else localize(torch.Tensor.__setitem__, value, target)
+    on_shard(torch.Tensor.__setitem__, input, index, value)
+
+
+def flip(input, dims):
+    """A flip along a sharded dim: each rank fetches the rows that land on it (its rows mirrored: ``fetch_window``
+    from their owners, point to point), then flips locally. Merged (token) dims take the exact fallback."""
+    x, layout = unwrap(input)
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    if any(not -x.dim() <= d < x.dim() for d in dims):
+        return _bad_or_fallback(torch.flip, (input, dims), {})
+    dims = tuple(d % x.dim() - x.dim() for d in dims)
+    for d in dims:
+        shards = layout.on(d)
+        if any(s.merged for s in shards):
+            return fallback(torch.flip, (input, dims), {})
+        for s in shards:
+            x = fetch_window(x, s, [(s.size - b, s.size - a) for a, b in s.bounds])
+    return adopt(x.flip(dims), layout)
 
 
 def one_hot(input, num_classes=-1):
@@ -244,6 +292,8 @@ def _registrations() -> dict:
     handlers = {}
     for f in (torch.Tensor.view, torch.Tensor.reshape, torch.reshape):
         handlers[f] = _reshape(f)
+    for like, f in ((torch.Tensor.view_as, torch.Tensor.view), (torch.Tensor.reshape_as, torch.Tensor.reshape)):
+        handlers[like] = lambda x, other, to=handlers[f]: to(x, other.shape)  # other's shape is global
     for f in (
         torch.flatten,
         torch.Tensor.flatten,
@@ -278,6 +328,11 @@ def _registrations() -> dict:
     handlers[F.linear] = linear
     handlers[F.one_hot] = one_hot
     handlers[torch.Tensor.__getitem__] = getitem
+    handlers[torch.Tensor.__setitem__] = setitem
+    handlers.update(bound(flip, torch.flip))
+    handlers[torch.Tensor.flip] = lambda x, *dims, **named: flip(
+        x, named.get("dims", dims[0] if len(dims) == 1 else dims)
+    )
     return handlers
 
 

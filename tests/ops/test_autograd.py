@@ -25,6 +25,13 @@ def _case(layout):
     for how, got in (("torch.autograd.grad", direct), ("x.grad", x.grad)):
         assert isinstance(got, SpatialTensor) and got.shard_layout == x.shard_layout, how
         assert_rel_close(gather(got), reference.grad, how)
+    seeded = shard(full, axes(layout)).requires_grad_()  # y.backward(g) with a sharded y: g sharded like it
+    upstream = torch.randn(2, 4, 10, 9)
+    F.conv2d(seeded, w, padding=1).backward(shard(upstream, axes(layout)))
+    ref_seeded = full.clone().requires_grad_()
+    F.conv2d(ref_seeded, w, padding=1).backward(upstream)
+    assert isinstance(seeded.grad, SpatialTensor) and seeded.grad.shard_layout == seeded.shard_layout
+    assert_rel_close(gather(seeded.grad), ref_seeded.grad, "y.backward(g)")
     weight_share = weight.grad.clone()  # a replicated input's gradient is this rank's share of the true one
     dist.all_reduce(weight_share)
     ref_weight = w.clone().requires_grad_()

@@ -50,6 +50,9 @@ OPS = {
     "argmin_all": lambda x: torch.argmin(x),
     "argmax_channels": lambda x: x.argmax(1),
     "argmax_all_keepdim": lambda x: x.argmax(keepdim=True),
+    # a reduced operand broadcasts back against the shards (2x2: sharded along one dim only, size 1 along the other)
+    "centre_rows": lambda x: x - x.mean(-1, keepdim=True),
+    "over_column_max": lambda x: x.amax(-2, keepdim=True) / x.abs().add(1),
 }
 
 

@@ -14,16 +14,16 @@ from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, LitModel, loader
 
 
-class Cumsum(torch.nn.Module):
-    """A scan along the sharded width: no spatial handler, so it takes the gather fallback."""
+class Cumprod(torch.nn.Module):
+    """A product scan along the sharded width: no spatial handler, so it takes the gather fallback."""
 
     def forward(self, x):
-        return x.cumsum(-1) / x.shape[-1]
+        return x.cumprod(-1) / x.shape[-1]
 
 
 def _fit(fallback: str) -> None:
     model = LitModel("segnet")
-    model.model.head = torch.nn.Sequential(model.model.head, Cumsum())
+    model.model.head = torch.nn.Sequential(model.model.head, Cumprod())
     strategy = SpatialParallelStrategy(2, fallback=fallback)
     L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False, enable_progress_bar=False
@@ -33,7 +33,7 @@ def _fit(fallback: str) -> None:
 def _modes():
     as_torchrun()  # Trainers run inside these ranks, one after the other
     message = (
-        r"Tensor.cumsum in module 'model.head.1' \(Cumsum\) has no spatial handler, and fallbacks are errors .*: "
+        r"Tensor.cumprod in module 'model.head.1' \(Cumprod\) has no spatial handler, and fallbacks are errors .*: "
         r"it would gather [0-9.]+ (B|KiB|MiB) "
     )
     with pytest.raises(LayoutError, match=message):
@@ -47,7 +47,7 @@ def _modes():
             _fit(mode)
         fallbacks = [str(w.message) for w in caught if w.category is SpatialFallbackWarning]
         assert len(fallbacks) == expected, (mode, fallbacks)
-        assert all("in module 'model.head.1' (Cumsum)" in m for m in fallbacks), fallbacks
+        assert all("in module 'model.head.1' (Cumprod)" in m for m in fallbacks), fallbacks
 
 
 def test_fallback_mode_error_warn_silent():
