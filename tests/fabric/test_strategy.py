@@ -26,9 +26,9 @@ from lightning_spatial.fabric import SpatialParallelStrategy
 from lightning_spatial.fabric.strategy import _FirstTrainingStep
 from lightning_spatial.graphs import CUDAGraphed
 from tests.spmd import as_torchrun, run_spmd
-from tests.strategy.lit import Images, SegNet
+from tests.strategy.lit import Images, SegNet, make_model
 from tests.strategy.test_equivalence import assert_same_weights
-from tests.strategy.test_fallback import Cumsum
+from tests.strategy.test_fallback import Cumprod
 from tests.strategy.test_strategy import BAD_ARGUMENTS
 
 
@@ -148,7 +148,7 @@ BAD_INPUT = {  # case: what the error says
     "layer output too small": r"max_pool2d: output size 1 .* \[in module 'enc2.0' \(MaxPool2d\)\]",
     "no image": "no image-sized tensor in the batch",
     "cuda_graphs": r"cuda_graphs names 'backbone', which is not a submodule of SegNet \(its children: enc1,",
-    "fallback": r"Tensor.cumsum in module 'head.1' \(Cumsum\) has no spatial handler, and fallbacks are errors",
+    "fallback": r"Tensor.cumprod in module 'head.1' \(Cumprod\) has no spatial handler, and fallbacks are errors",
 }
 
 
@@ -162,7 +162,7 @@ def _bad_input() -> None:
         with pytest.raises(Exception, match=match):
             model = SegNet()
             if case == "fallback":
-                model.head = torch.nn.Sequential(model.head, Cumsum())
+                model.head = torch.nn.Sequential(model.head, Cumprod())
             model = fabric.setup(model)
             batch = next(iter(fabric.setup_dataloaders(DataLoader(data, batch_size=2))))
             model(batch["image"])
@@ -227,3 +227,26 @@ def _first_step_chooses_graphs() -> None:
 
 def test_the_first_training_step_chooses_the_modules_to_replay():
     run_spmd(_first_step_chooses_graphs, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_replays_train_to_the_eager_weights_on_one_gpu():
+    """One GPU through Fabric: the named submodule replays as CUDA graphs under DDP from its third step, its
+    gradients written into DDP's buckets; the same weights as eager training under the same strategy."""
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    weights = []
+    for cuda_graphs in (False, ["stages"]):
+        fabric = Fabric(accelerator="cuda", devices=1, strategy=SpatialParallelStrategy(1, cuda_graphs=cuda_graphs))
+        fabric.launch()
+        model = make_model("convnext_atto")
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        loader = fabric.setup_dataloaders(DataLoader(Images(12, 32, 64), batch_size=2))
+        for batch in loader:
+            fabric.backward(F.cross_entropy(model(batch["image"]), batch["label"]))
+            optimizer.step()
+            optimizer.zero_grad()
+        if cuda_graphs:
+            assert len(model.module.stages._graphs) == 1, "the stages never replayed"
+        weights.append(model.module.cpu())
+        fabric.strategy.teardown()
+    assert_same_weights(weights[1], weights[0])
