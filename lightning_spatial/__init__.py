@@ -1,8 +1,8 @@
 """lightning_spatial: spatially sharded activations for training camera models across GPUs.
 
 ``import lightning_spatial`` registers the ``"spatial_tp"`` and ``"horovod"`` strategies in Lightning's
-StrategyRegistry. The building blocks under them (layouts, halo windows, collectives) are in
-``lightning_spatial.primitives``.
+StrategyRegistry, and ``"spatial_tp"`` in Fabric's (``lightning_spatial.fabric``). The building blocks under them
+(layouts, halo windows, collectives) are in ``lightning_spatial.primitives``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,18 @@ compiling.install()
 
 
 def _register_strategies() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for strategy in (SpatialParallelStrategy, HorovodStrategy):
-        if strategy.strategy_name not in StrategyRegistry:
-            strategy.register_strategies(StrategyRegistry)
+    from . import fabric
+
+    for registry, strategies in (
+        (StrategyRegistry, (SpatialParallelStrategy, HorovodStrategy)),
+        (STRATEGY_REGISTRY, (fabric.SpatialParallelStrategy,)),
+    ):
+        for strategy in strategies:
+            if strategy.strategy_name not in registry:
+                strategy.register_strategies(registry)
 
 
 _register_strategies()

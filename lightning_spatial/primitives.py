@@ -27,7 +27,7 @@ from .mesh import Axis, SpatialDims
 from .plans import planned
 from .run import HaloBytes, counting_halo_bytes
 from .sharding import shard_batch
-from .strategies.spatial import gradients_laid_out_like_parameters
+from .strategies._gradients import gradients_laid_out_like_parameters
 from .tensor import unwrap, wrap
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The Hydra recipes run end to end (toy sizes): the main job, a dense task, and a multirun sweep."""
+"""The Hydra recipes run end to end (toy sizes): the main job, a dense task, a multirun sweep, the Fabric loop."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_spatial.models import ImageTask
 from tests.scripts import ROOT, torchrun_2
 
 TOY = [
@@ -25,12 +26,17 @@ TOY = [
 
 
 def run(
-    *overrides: str, tmp_path: Path, flags: tuple[str, ...] = (), toy: tuple[str, ...] = tuple(TOY), stderr=False
+    *overrides: str,
+    tmp_path: Path,
+    flags: tuple[str, ...] = (),
+    toy: tuple[str, ...] = tuple(TOY),
+    stderr=False,
+    script: str = "train.py",
 ) -> str:
-    """``recipes/train.py`` with the overrides; its stdout (and stderr after it, with ``stderr=True``)."""
+    """``recipes/<script>`` with the overrides; its stdout (and stderr after it, with ``stderr=True``)."""
     cmd = [
         sys.executable,
-        str(ROOT / "recipes" / "train.py"),
+        str(ROOT / "recipes" / script),
         *flags,
         *toy,
         f"hydra.run.dir={tmp_path}",
@@ -207,3 +213,18 @@ def test_a_run_resumes_from_its_last_checkpoint(tmp_path):
     assert scored[0][0] == 0 and scored[: len(before)] == before, (before, scored)  # untrained, ..., at the stop
     resumed = scored[len(before)][1]  # the second run's first validation: the weights saved at the stop
     assert resumed == pytest.approx(before[-1][1], rel=1e-6), (before, scored)
+
+
+@pytest.mark.slow
+def test_fabric_recipe_trains_sharded_and_saves_the_plain_model(tmp_path):
+    """``recipes/fabric_train.py`` (toy size): 2 CPU ranks, width-sharded batches, finite losses, and a checkpoint
+    whose model entry loads into the plain module on one process."""
+    toy = [o for o in TOY if not o.startswith("trainer.")]
+    out = run(tmp_path=tmp_path, toy=tuple(toy), script="fabric_train.py")
+    (metrics,) = final_metrics(out)
+    assert set(metrics) == {"train_loss", "val_loss"} and metrics["train_loss"] > 0
+    assert "mesh: 2 ranks = 1 data replica(s) x 1x2 spatial tiles" in out
+    assert "sharded batch tensors: ['image'] (4, 3, 32, 64), ['mask'] (4, 32, 64); replicated: ['label'] (4,)" in out
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["step"] == 2  # 8 samples in batches of 4, one epoch
+    ImageTask(backbone="resnet18", task="segmentation", num_classes=4).load_state_dict(saved["model"])

@@ -1,5 +1,6 @@
-"""What both strategies do to each DataLoader Lightning hands them (``process_dataloader``), beyond Lightning's own
-sampler injection: evaluation counts each sample once, and a resumed epoch draws the order it was saved in.
+"""What the strategies do to each DataLoader Lightning hands them (``process_dataloader``), beyond Lightning's own
+sampler injection: spatial ranks load only their slices (``sharded``, Trainer and Fabric), evaluation counts each
+sample once, and a resumed epoch draws the order it was saved in (Trainer).
 
 Validation and test loaders get an unpadded sampler (``ContiguousShard``): Lightning's ``DistributedSampler`` pads
 each replica's share to the same length with repeats of the first samples, so a set that the data replicas do not
@@ -26,6 +27,9 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from ..mesh import Axis
+from ..sharding import Select, ShardingCollate
+
 EVALUATION = (RunningStage.VALIDATING, RunningStage.SANITY_CHECKING, RunningStage.TESTING)
 
 
@@ -39,6 +43,14 @@ def prepare_loader(dataloader: object, trainer) -> object:
     if stage == RunningStage.TRAINING:
         _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
         warn_if_restarting_mid_epoch(dataloader, trainer)
+    return dataloader
+
+
+def sharded(dataloader: object, axes: dict[int, Axis], select: Select | None) -> object:
+    """``dataloader`` collating this rank's slices of the batch's image-sized tensors (``ShardingCollate``), cut
+    before pinning and the host-to-device copy; any other iterable as it is."""
+    if isinstance(dataloader, DataLoader) and axes and not isinstance(dataloader.collate_fn, ShardingCollate):
+        dataloader.collate_fn = ShardingCollate(dataloader.collate_fn, axes, select)
     return dataloader
 
 

@@ -1,5 +1,8 @@
-"""What ``SpatialParallelStrategy`` changes for the length of a run (``setup`` to ``teardown``), each undone after.
+"""What a spatial strategy changes for the length of a run (Trainer: ``setup`` to ``teardown``; Fabric: from
+``setup_environment`` on), each undone after.
 
+- ``RunScope``: the op layer's ``Run`` entered, the run's metrics synced over the data axis, and what else the
+  strategy enters for the run, all left at ``close``.
 - ``MetricsOverData``: the run's torchmetrics sync over the data axis: every rank of a spatial group saw the same
   samples, so a world-wide sync would count each of them once per spatial rank.
 - ``module_paths``: module paths by ``id(module)`` for the run (``Run.module_names``), so a fallback or a layout
@@ -11,15 +14,36 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from types import TracebackType
+from typing import Any
 
 import torch
 from torchmetrics import Metric
 
 from ..graphs import CUDAGraphed
 from ..layout import LayoutError
-from ..run import current
+from ..run import FallbackMode, Run, current, entered
+
+
+class RunScope(ExitStack):
+    """One run of a strategy: its ``Run`` (``state``: the fallback mode, BatchNorm's ``data_axis``, module paths) is
+    current, and the module's metrics sync over ``data_group``, until ``close``; the strategy enters the rest of
+    the run's changes (CUDA graphs, dynamo settings) on it, to be undone with them. ``zero_undelivered``: one rank
+    with PyTorch's fake backend (benchmarks), whose received halos read as zeros."""
+
+    def __init__(self, fallback: FallbackMode, data_axis: Any, data_group: Any, zero_undelivered: bool = False):
+        super().__init__()
+        self.state = self.enter_context(
+            entered(Run(fallback=fallback, data_axis=data_axis, zero_undelivered=zero_undelivered))
+        )
+        self.metrics = MetricsOverData(data_group)
+        self.callback(self.metrics.release)
+
+    def adopt(self, root: torch.nn.Module) -> None:
+        """``root``'s module paths for messages, and its metrics for the data axis (again for metrics made since)."""
+        self.state.module_names.update(module_paths(root))
+        self.metrics.claim(root)
 
 
 class MetricsOverData:
@@ -125,4 +149,4 @@ def graphed(root: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
             setattr(parent, attr, module)
 
 
-__all__ = ["MetricsOverData", "graphed", "module_paths", "naming_the_layer"]
+__all__ = ["MetricsOverData", "RunScope", "graphed", "module_paths", "naming_the_layer"]

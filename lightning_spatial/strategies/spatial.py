@@ -1,6 +1,7 @@
 """``SpatialParallelStrategy``: spatial x data parallel training with no change to the LightningModule.
 
-The hooks, each small:
+The hooks, each small, on the core that the Fabric strategy (``lightning_spatial.fabric``) shares: ``_options``,
+``_groups``, ``_gradients``, ``_loaders``, ``_scopes``, ``_launch``.
 
 - ``setup_environment``: the (data, spatial_h, spatial_w) DeviceMesh, every group with the strategy's
   ``timeout``; every rank of a spatial group gets the same random stream (dropout masks must agree). With
@@ -12,28 +13,25 @@ The hooks, each small:
   sample counted once), and a resumed training epoch draws its saved order (``_loaders``).
 - the model needs no preparation: its inputs are ``SpatialTensor`` shards, so every conv, pool, norm,
   loss (functional calls included) dispatches to the exact spatial ops.
-- gradients (the split-gradient convention, docs/design.md): ``backward`` seeds the replicated loss with
-  ``1/S`` on each of the ``S`` ranks of a spatial group, so a sharded tensor's gradient (``x.grad`` of a
-  sharded input) is exactly its part of the true gradient, and a weight's gradient on one rank is its share,
-  the shares of a group summing to the true gradient. DDP sums them over the world and the comm hook divides
-  by the data-parallel size only: the data-parallel mean of true gradients, bucketed and overlapped, on CPU
-  and GPU. A user comm hook (fp16/bf16 compression, PowerSGD) averages over the world; its result is scaled
-  by ``S``.
-- ``reduce``/``all_gather`` and torchmetrics sync over the data axis (spatial ranks hold the same values).
+- gradients (the split-gradient convention, docs/design.md; ``_gradients``): ``backward`` seeds the replicated
+  loss with ``1/S`` on each of the ``S`` ranks of a spatial group; DDP sums the gradient shares over the world and
+  the comm hook divides by the data-parallel size only.
+- ``reduce``/``all_gather`` and torchmetrics sync over the data axis (spatial ranks hold the same values;
+  ``_groups``).
 - ``predict_step`` returns full tensors (sharded outputs gathered), one copy per spatial rank.
 - checkpoints: parameters and buffers are plain replicated tensors; rank 0 saves a standard checkpoint.
 - for the run (``setup`` to ``teardown``), one ``run.Run`` the op layer reads: the ``fallback`` mode, BatchNorm's
   data axis, module paths for messages, DDP's bucket views for replays; and the run's torchmetrics sync group and
-  CUDA graphs of named submodules (``_scopes``); all undone at ``teardown``, dynamo's ``optimize_ddp`` included.
+  CUDA graphs of named submodules (``_scopes.RunScope``); all undone at ``teardown``, dynamo's ``optimize_ddp``
+  included.
 - ``torch.compile``d modules compile through the shards (``compiling``): halo exchanges and collectives are
   graph ops.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -41,7 +39,6 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
@@ -51,20 +48,22 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from .. import capture
 from .._arguments import integers
 from ..capture import Watch
-from ..graphs import noting_bucket_views
-from ..mesh import Axis, SpatialDims, tiles
+from ..mesh import Axis, SpatialDims
 from ..plan import Plan, accumulation, describe_batches, make_plan, parse_budget
-from ..run import FallbackMode, Run, check_fallback_mode, entered
-from ..sharding import Select, ShardingCollate, describe
+from ..run import FallbackMode
+from ..sharding import Select, describe
 from ..tensor import SpatialTensor, gather
-from ._loaders import exact_mean, prepare_loader
-from ._scopes import MetricsOverData, graphed, module_paths, naming_the_layer
+from ._gradients import before_ddp, register_comm_hook, share
+from ._groups import SpatialGroups
+from ._launch import environment_kept, launch_kind, register
+from ._loaders import prepare_loader, sharded
+from ._options import CudaGraphs, check_options, graph_names
+from ._scopes import RunScope, graphed, naming_the_layer
 
 
 class SpatialParallelStrategy(DDPStrategy):
@@ -116,7 +115,7 @@ class SpatialParallelStrategy(DDPStrategy):
         global_batch_size: int | None = None,
         shard_select: Select | None = None,
         fallback: FallbackMode = "warn",
-        cuda_graphs: Sequence[str] | Literal["auto"] | bool = "auto",
+        cuda_graphs: CudaGraphs = "auto",
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -130,9 +129,8 @@ class SpatialParallelStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **ddp_kwargs: Any,
     ) -> None:
+        check_options(spatial_size, shard_dim, fallback, cuda_graphs)  # now, not in the ranks
         auto = spatial_size == "auto"
-        h, w = tiles(1 if spatial_size is None or auto else spatial_size, shard_dim)  # a bad shard_dim or size raises
-        SpatialDims(h * w, h, w)  # now, not in the ranks; whether it divides the world waits for the world size
         if memory_budget is not None and not auto:
             raise ValueError(f"memory_budget is for spatial_size='auto', got spatial_size={spatial_size!r}")
         if global_batch_size is not None and not auto:
@@ -142,11 +140,6 @@ class SpatialParallelStrategy(DDPStrategy):
             )
         if global_batch_size is not None:
             integers(1, global_batch_size=global_batch_size)
-        if (isinstance(cuda_graphs, str) and cuda_graphs != "auto") or cuda_graphs is True:
-            raise ValueError(
-                f"cuda_graphs must be 'auto' (the default), False, or a list of submodule names, got {cuda_graphs!r}"
-            )
-        check_fallback_mode(fallback)
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no second copy of the gradients
         super().__init__(  # the comm hook is ours to register (DDPStrategy would do it on CUDA only, unscaled)
             accelerator=accelerator,
@@ -168,15 +161,13 @@ class SpatialParallelStrategy(DDPStrategy):
         self._fallback = fallback
         # "auto": chosen after watching the first training step (lightning_spatial.capture); names: wrapped at setup
         self._auto_graphs = cuda_graphs == "auto"
-        self._cuda_graphs: tuple[str, ...] = () if self._auto_graphs or not cuda_graphs else tuple(cuda_graphs)
+        self._cuda_graphs = graph_names(cuda_graphs)
         self._user_comm_hook = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         self.dims: SpatialDims | None = None
         self.plan: Plan | None = None  # spatial_size="auto": the chosen layout with every candidate's estimate
-        self.mesh = None
-        self.axes: dict[int, Axis] = {}
+        self.groups: SpatialGroups | None = None
         self._sync_batchnorm = False
-        self._run: ExitStack | None = None  # what setup entered, closed at teardown
-        self._metrics: MetricsOverData | None = None
+        self._run: RunScope | None = None  # what setup entered, closed at teardown
         self._watch: Watch | None = None  # cuda_graphs="auto": what the first training step shows
         self._metrics_claimed_at: set[tuple] = set()  # (stage, epoch, before/after the first step) claimed
         self._in_process = False  # one rank, run in this process (no launcher): its process group ends with it
@@ -185,12 +176,10 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """Under torchrun or SLURM the processes exist already: each would otherwise fork ``devices`` more
-        (start_method "fork" or "spawn"), and their process groups could not form. One process runs here: a
-        forked child whose parent ran OpenMP threads (GNU libgomp) can hang in its first parallel op."""
-        external = self.cluster_environment is not None and self.cluster_environment.creates_processes_externally
-        self._in_process = not external and self.num_processes * self.num_nodes == 1
-        if external:
+        """The script launcher where the processes exist, this process for one rank (``_launch``)."""
+        kind = launch_kind(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._in_process = kind == "in_process"
+        if kind == "external":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         elif self._in_process:
             self._launcher = _InProcessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -210,42 +199,26 @@ class SpatialParallelStrategy(DDPStrategy):
     def _build(self, dims: SpatialDims) -> None:
         """The mesh, the axes of this rank and the shared random stream (collective)."""
         self.dims = dims
-        self.mesh = self.dims.build(self.root_device.type, self._timeout)
-        names = {-2: ("spatial_h", self.dims.spatial_h), -1: ("spatial_w", self.dims.spatial_w)}
-        self.axes = {dim: Axis.from_group(self.mesh.get_group(name)) for dim, (name, n) in names.items() if n > 1}
-        self._data_axis = Axis.from_group(self.mesh.get_group("data"))
-        self._connect_axes()
-        self._share_random_stream()
+        self.groups = SpatialGroups.build(dims, self.root_device, self._timeout)
 
-    def _connect_axes(self) -> None:
-        """One collective per spatial axis group, with all its ranks: NCCL creates a group's communicator at
-        its first call, and a first ``batch_isend_irecv`` must include every rank of the group, while a halo
-        exchange may leave out ranks whose window is their own rows."""
-        for axis in self.axes.values():
-            dist.all_reduce(torch.zeros(1, device=self.root_device), group=axis.group)
+    @property
+    def mesh(self):
+        return self.groups.mesh if self.groups is not None else None
 
-    def _share_random_stream(self) -> None:
-        """Give every rank its spatial group leader's RNG state (CPU and current CUDA device)."""
-        states = [torch.get_rng_state()]
-        if self.root_device.type == "cuda":
-            states.append(torch.cuda.get_rng_state(self.root_device))
-        leader = self.global_rank - self.global_rank % self.dims.spatial_size
-        for k, state in enumerate(states):
-            state = state.to(self.root_device) if self.root_device.type == "cuda" else state
-            gathered = [torch.empty_like(state) for _ in range(self.world_size)]
-            dist.all_gather(gathered, state)
-            chosen = gathered[leader].cpu()
-            torch.set_rng_state(chosen) if k == 0 else torch.cuda.set_rng_state(chosen, self.root_device)
+    @property
+    def axes(self) -> dict[int, Axis]:
+        """This rank's spatial axes by tensor dim (-2 height, -1 width), those of more than one rank."""
+        return self.groups.axes if self.groups is not None else {}
+
+    @property
+    def data_group(self):
+        return self.groups.data_axis.group
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        assert self.dims is not None
-        return {"num_replicas": self.dims.data, "rank": self.dims.coordinates(self.global_rank)[0]}
-
-    @property
-    def data_group(self):
-        return self._data_axis.group
+        assert self.groups is not None
+        return self.groups.sampler_kwargs(self.global_rank)
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -253,20 +226,14 @@ class SpatialParallelStrategy(DDPStrategy):
             self._build(self._planned(trainer).dims)
         if self._layer_sync is not None and self.axes:  # SyncBatchNorm: our batch_norm also spans the data axis
             self._layer_sync, self._sync_batchnorm = None, True
-        self._run = ExitStack()
-        data_axis = self._data_axis if self._sync_batchnorm and self.dims.data > 1 else None
+        data_axis = self.groups.data_axis if self._sync_batchnorm and self.dims.data > 1 else None
         # one rank with PyTorch's fake backend (benchmarks): messages never arrive, and received halos read as zeros
         fake = dist.get_backend() == "fake"
-        state = self._run.enter_context(
-            entered(Run(fallback=self._fallback, data_axis=data_axis, zero_undelivered=fake))
-        )
-        self._metrics = MetricsOverData(self.data_group)
-        self._run.callback(self._metrics.release)
+        self._run = RunScope(self._fallback, data_axis, self.data_group, zero_undelivered=fake)
         self._run.enter_context(graphed(self.lightning_module, self._cuda_graphs))
         self._watch = Watch(self.lightning_module) if self._auto_graphs and self.root_device.type == "cuda" else None
         super().setup(trainer)
-        state.module_names.update(module_paths(self.lightning_module))
-        self._metrics.claim(self.lightning_module)
+        self._run.adopt(self.lightning_module)
 
     def _planned(self, trainer) -> Plan:
         """A plan from the first training batch; ``validate``/``test``/``predict`` reuse this process's last one."""
@@ -306,35 +273,21 @@ class SpatialParallelStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        # A compiled module's graph is not split at DDP's buckets: AOT autograd fails on the split pieces when they
-        # hold our messages (ordered effects; torch 2.14, docs/design.md). Gradients are then reduced after the
-        # compiled backward rather than during it.
-        self._run.callback(setattr, torch._dynamo.config, "optimize_ddp", torch._dynamo.config.optimize_ddp)
-        torch._dynamo.config.optimize_ddp = False
-        gradients_laid_out_like_parameters(self.model)
+        before_ddp(self.model, self._run)
         super().configure_ddp()
-        state, hook, wrapper = self._user_comm_hook
-        if hook is None:
-            state, hook = self.dims.data, _sum_then_divide
-        else:
-            hook = _scaled(wrapper(hook) if wrapper is not None else hook, self.dims.spatial_size)
-        # replays (cuda_graphs) write their gradients straight into DDP's buckets
-        replays = self._cuda_graphs or self._watch is not None
-        self.model.register_comm_hook(state, noting_bucket_views(hook) if replays else hook)
+        replays = bool(self._cuda_graphs) or self._watch is not None  # replays write into DDP's buckets
+        register_comm_hook(self.model, self.dims, self._user_comm_hook, replays)
 
     @override
     def backward(
         self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         """Each of the ``S`` ranks of a spatial group seeds ``1/S`` of the replicated loss's gradient."""
-        return super().backward(closure_loss / self.dims.spatial_size, optimizer, *args, **kwargs)
+        return super().backward(share(closure_loss, self.dims), optimizer, *args, **kwargs)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = prepare_loader(dataloader, self.lightning_module.trainer)
-        if isinstance(dataloader, DataLoader) and self.axes and not isinstance(dataloader.collate_fn, ShardingCollate):
-            dataloader.collate_fn = ShardingCollate(dataloader.collate_fn, self.axes, self._shard_select)
-        return dataloader
+        return sharded(prepare_loader(dataloader, self.lightning_module.trainer), self.axes, self._shard_select)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -343,17 +296,10 @@ class SpatialParallelStrategy(DDPStrategy):
             rank_zero_info(f"lightning_spatial: {describe(batch)}")
         return super().batch_to_device(batch, device, dataloader_idx)
 
-    def _over_data(self, group: Any | None) -> Any:
-        """Spatial ranks hold the same values: the default group (``None``, or ``WORLD``, which
-        ``LightningModule.all_gather`` passes) means the data axis."""
-        return self.data_group if group is None or group is dist.group.WORLD else group
-
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        if not isinstance(tensor, torch.Tensor):
-            return tensor
-        tensor = gather(tensor) if isinstance(tensor, SpatialTensor) else tensor
-        return _sync_ddp_if_available(exact_mean(tensor, reduce_op), self._over_data(group), reduce_op=reduce_op)
+        """Over the data axis (``SpatialGroups.reduce``)."""
+        return self.groups.reduce(tensor, group, reduce_op) if isinstance(tensor, torch.Tensor) else tensor
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
@@ -363,14 +309,11 @@ class SpatialParallelStrategy(DDPStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Every rank votes (ModelCheckpoint, EarlyStopping), so count over the world, not the data axis."""
-        votes = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(votes)
-        return bool(votes == self.world_size) if all else bool(votes)
+        return self.groups.all_true(decision, all, self.root_device)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-        tensor = gather(tensor) if isinstance(tensor, SpatialTensor) else tensor
-        return super().all_gather(tensor, self._over_data(group), sync_grads)
+        return self.groups.all_gather(tensor, group, sync_grads)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -418,86 +361,36 @@ class SpatialParallelStrategy(DDPStrategy):
         """Before and after the first step of every epoch of every stage: the metrics created since then."""
         trainer = self.lightning_module.trainer
         when = (trainer.state.stage, trainer.current_epoch, moment)
-        if self._metrics is not None and when not in self._metrics_claimed_at:
+        if self._run is not None and when not in self._metrics_claimed_at:
             self._metrics_claimed_at.add(when)
-            self._metrics.claim(self.lightning_module)
+            self._run.metrics.claim(self.lightning_module)
 
     @override
     def teardown(self) -> None:
         if self._run is not None:
             self._run.close()
-            self._run, self._metrics = None, None
+            self._run = None
             self._metrics_claimed_at.clear()
         super().teardown()
         if self._group_to_close:  # a later Trainer in this process may fork ranks of a larger world
             dist.destroy_process_group()
             Axis.forget_groups()
-            self.mesh, self.axes, self._data_axis = None, {}, None
+            self.groups = None
             self._group_to_close = False
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Spatial (height/width) x data parallel training"
-        )
-        strategy_registry.register(
-            "spatial_tp_fork", cls, description="spatial_tp with the fork start method", start_method="fork"
-        )
+        register(strategy_registry, cls)
 
 
 class _InProcessLauncher(_SubprocessScriptLauncher):
-    """One rank, run in this process. Lightning's script launcher exports LOCAL_RANK, MASTER_PORT, ... for the
-    child scripts it would start; left behind, they made the next Trainer in this process (a notebook, a test)
-    believe torchrun had started its ranks, and it waited for ranks nobody started."""
+    """One rank, run in this process, the environment kept (``_launch.environment_kept``)."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        saved = dict(os.environ)
-        try:
+        with environment_kept():
             return super().launch(function, *args, trainer=trainer, **kwargs)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-
-
-def gradients_laid_out_like_parameters(module: torch.nn.Module) -> None:
-    """Before wrapping ``module`` in DDP: gradients that differ from their parameter's strides only on size-1 dims
-    get the parameter's (see ``_laid_out_like``), so DDP neither warns nor copies them."""
-    for param in module.parameters():
-        if param.requires_grad and param.dim() > 1 and 1 in param.shape:
-            param.register_hook(_laid_out_like(param))
-
-
-def _laid_out_like(param: torch.Tensor):
-    """A gradient hook giving ``param``'s strides to a gradient with the same memory layout but other strides on
-    size-1 dims (a depthwise (C, 1, k, k) weight's gradient from a channels_last convolution): DDP compares
-    strides exactly and would copy it into its bucket with a warning. Other layouts are left to DDP."""
-    stride = param.stride()
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        if grad.stride() == stride or any(a != b for a, b, n in zip(grad.stride(), stride, grad.shape) if n > 1):
-            return grad
-        return grad.as_strided(grad.shape, stride, grad.storage_offset())
-
-    return hook
-
-
-def _sum_then_divide(data_size, bucket):
-    """DDP's all-reduce, divided by the data-parallel size instead of the world size: gradient shares summed
-    over each spatial group, averaged over the data replicas. (DDP checks a hook's annotations against the
-    real classes, which ``from __future__ import annotations`` turns into strings: none here.)"""
-    buffer = bucket.buffer().div_(data_size)
-    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda _: buffer)  # reduced in place
-
-
-def _scaled(hook: Callable, spatial_size: int) -> Callable:
-    """A world-averaging comm hook made a mean over data replicas of sums over spatial groups."""
-
-    def scaled_hook(state, bucket):
-        return hook(state, bucket).then(lambda fut: fut.value().mul_(spatial_size))
-
-    return scaled_hook
 
 
 __all__ = ["SpatialParallelStrategy"]

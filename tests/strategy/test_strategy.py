@@ -389,18 +389,18 @@ def test_bad_input_fails_before_training(case, match):
         t.fit(LitModel("segnet"), loader(data, 2))
 
 
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        ({"spatial_size": (2, 2, 1)}, r"spatial_size must be .* got \(2, 2, 1\)"),
-        ({"spatial_size": 2.5}, "spatial_size must be .* got 2.5"),
-        ({"spatial_size": True}, "spatial_size must be .* got True"),
-        ({"spatial_size": (2, 0)}, "spatial_w must be a positive int, got 0"),
-        ({"spatial_size": 2, "shard_dim": "channels"}, "shard_dim must be one of .'width', 'height'., got 'channels'"),
-        ({"fallback": "loud"}, "fallback must be 'warn', 'error' or 'silent', got 'loud'"),
-        ({"cuda_graphs": "model"}, "cuda_graphs must be 'auto' \\(the default\\), False, or a list of submodule names"),
-    ],
-)
+BAD_ARGUMENTS = [  # (constructor arguments, the error), the same for the Fabric strategy (tests/fabric)
+    ({"spatial_size": (2, 2, 1)}, r"spatial_size must be .* got \(2, 2, 1\)"),
+    ({"spatial_size": 2.5}, "spatial_size must be .* got 2.5"),
+    ({"spatial_size": True}, "spatial_size must be .* got True"),
+    ({"spatial_size": (2, 0)}, "spatial_w must be a positive int, got 0"),
+    ({"spatial_size": 2, "shard_dim": "channels"}, "shard_dim must be one of .'width', 'height'., got 'channels'"),
+    ({"fallback": "loud"}, "fallback must be 'warn', 'error' or 'silent', got 'loud'"),
+    ({"cuda_graphs": "model"}, "cuda_graphs must be 'auto' \\(the default\\), False, or a list of submodule names"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", BAD_ARGUMENTS)
 def test_bad_arguments_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SpatialParallelStrategy(**kwargs)

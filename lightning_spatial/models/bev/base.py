@@ -60,7 +60,13 @@ class BEVDetector(L.LightningModule):
         """A loss normaliser (the batch's box count) averaged over data-parallel replicas, as DETR does: their
         averaged gradients then equal one device's on the whole batch. Alone (no Trainer) and outside training: the
         count itself. Validation needs no gradients, and its replicas run different numbers of batches (unpadded
-        sampling, docs/design.md): a collective per step there would wait forever for the replica that is done."""
+        sampling, docs/design.md): a collective per step there would wait forever for the replica that is done. Set
+        up by Fabric: averaged while the module trains (``fabric.all_reduce``, over the data replicas under
+        ``spatial_tp``)."""
+        fabric = self._fabric
+        if fabric is not None:
+            averaged = self.training and fabric.world_size > 1
+            return fabric.all_reduce(count.float(), reduce_op="mean") if averaged else count
         trainer = self._trainer
         if trainer is None or trainer.world_size == 1 or not trainer.training:
             return count
