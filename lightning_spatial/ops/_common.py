@@ -160,7 +160,10 @@ def common_layout(func: Callable, operands) -> Layout:
     broadcast against (each of their shards is one of its, and they have size 1 along its other sharded dims,
     e.g. ``x - x.mean(-1, keepdim=True)`` on 2-D tiles); raises otherwise."""
     sharded = [t for t in operands if isinstance(t, SpatialTensor)]
-    widest = max((t._layout for t in sharded), key=lambda layout: len(layout.shards))
+    widest = sharded[0]._layout
+    for t in sharded:  # a loop, not max(key=): torch 2.11's dynamo breaks the graph on max's key
+        if len(t._layout.shards) > len(widest.shards):
+            widest = t._layout
     for t in sharded:
         if t._layout is not widest and t._layout != widest and not _broadcasts(t, widest):
             raise LayoutError(
