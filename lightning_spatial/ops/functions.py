@@ -60,6 +60,17 @@ def apply(cls: type[Function], *args: Any, **kwargs: Any) -> Any:
     else:
         if not any(isinstance(v, SpatialTensor) for v in kwargs.values()):
             return _APPLY.__get__(None, cls)(*args, **kwargs)
+    return _on_shards(cls, args, kwargs)
+
+
+# Code dynamo traces sees ``cls.apply`` as torch's (it traces the Function's forward and backward itself). Where it
+# breaks the graph there, compiled code calls ``apply`` at run time: dynamo must not compile that frame (skipped, the
+# frames it calls are not), and the twin runs eagerly.
+torch._dynamo.eval_frame.skip_code(apply.__code__)
+
+
+@torch.compiler.disable
+def _on_shards(cls: type[Function], args: tuple, kwargs: dict) -> Any:
     handler = _HANDLERS.get(cls)
     if handler is not None:
         return handler(*args, **kwargs)
