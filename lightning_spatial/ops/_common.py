@@ -10,11 +10,12 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..fallback import name_of
+from ..fallback import fallback, name_of
 from ..halo import fetch_window
 from ..layout import DimShard, Layout, LayoutError, partition
 from ..plans import planned
 from ..tensor import SpatialTensor, _Plain
+from ._meta import raise_torch_error
 
 
 def ntuple(value: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
@@ -181,6 +182,12 @@ def _broadcasts(t: SpatialTensor, layout: Layout) -> bool:
     return own <= set(layout.shards) and all(
         len(shape) < -s.dim or shape[s.dim] == 1 for s in layout.shards if s not in own
     )
+
+
+def bad_or_fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """torch's own error for a call it rejects (before any communication); else the exact fallback."""
+    raise_torch_error(func, args, kwargs)
+    return fallback(func, args, kwargs)
 
 
 def localize(func: Callable, t: Any, layout: Layout) -> Any:

@@ -46,7 +46,7 @@ def autograd_backward(
     """``torch.autograd.backward`` (``y.backward(g)``, reentrant checkpointing) seeded as ``autograd_grad``; the
     gradients of sharded leaves accumulate sharded like them (``x.grad``)."""
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())
-    tensors, seeds = _seeded(tensors, grad_tensors, inputs)
+    tensors, seeds = _seeded(tensors, grad_variables if grad_tensors is None else grad_tensors, inputs)  # legacy name
     with torch._C.DisableTorchFunctionSubclass():
         torch.autograd.backward(tensors, seeds, retain_graph, create_graph, inputs=inputs or None)
 

@@ -17,13 +17,13 @@ from ..fallback import fallback
 from ..layout import DimShard
 from ..tensor import adopt, on_shard, unwrap
 from ._binding import bound
-from ._meta import raise_torch_error
+from ._common import bad_or_fallback
 
 
 def cumsum(input, dim, dtype=None):
     x, layout = unwrap(input)
     if not -x.dim() <= dim < x.dim():
-        raise_torch_error(torch.cumsum, (input, dim), {"dtype": dtype})
+        return bad_or_fallback(torch.cumsum, (input, dim), {"dtype": dtype})
     dim = dim % x.dim() - x.dim()
     if not layout.on(dim):
         return adopt(on_shard(torch.cumsum, input, dim, dtype=dtype), layout)

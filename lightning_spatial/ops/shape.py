@@ -23,7 +23,7 @@ from ..layout import DimShard, Layout, LayoutError
 from ..plans import planned
 from ..tensor import SpatialTensor, adopt, on_shard, unwrap
 from ._binding import bound
-from ._common import localize, require_replicated
+from ._common import bad_or_fallback, localize, require_replicated
 from ._meta import raise_torch_error
 
 
@@ -52,8 +52,10 @@ def _track(layout: Layout, global_in: tuple, global_out: tuple) -> Layout | None
     for s in layout.shards:
         if s.segments:  # token sets one after another: the dim must stay whole
             before = math.prod(global_in[: len(global_in) + s.dim])
-            q = next((q for q in range(len(global_out)) if math.prod(global_out[:q]) == before), None)
-            if q is None or global_out[q] != s.extent:
+            q = next(
+                (q for q, n in enumerate(global_out) if n == s.extent and math.prod(global_out[:q]) == before), None
+            )
+            if q is None:
                 return None
             shards.append(replace(s, dim=q - len(global_out)))
             continue
@@ -154,7 +156,7 @@ def _join(func):
         if not stacks and -ndim <= dim < ndim and (sets := token_sets(tensors, dim % ndim - ndim)) is not None:
             return adopt(func([t.to_local() for t in tensors], dim), sets)
         if not (-ndim <= dim < ndim and all(_joins(t, layout) for t in tensors)):
-            return _bad_or_fallback(func, (tensors, dim), {})
+            return bad_or_fallback(func, (tensors, dim), {})
         at = dim % ndim
         if not stacks and any(ndim + d == at for d in layout.dims):
             return fallback(func, (tensors, dim), {})
@@ -203,7 +205,7 @@ def _split(func):
         input = tensor if input is None else input
         x, layout = unwrap(input)
         if not -x.dim() <= dim < x.dim():
-            return _bad_or_fallback(func, (input,), {"dim": dim, **sizes})
+            return bad_or_fallback(func, (input,), {"dim": dim, **sizes})
         at = dim % x.dim()
         if any(x.dim() + d == at for d in layout.dims):
             pieces = None if removes else _split_token_sets(x, layout, at - x.dim(), sizes)
@@ -247,12 +249,6 @@ def _subset(s: DimShard, a: int, b: int) -> DimShard:
     return replace(s, size=sum(o * n * i for o, n, i in s.segments[a:b]), segments=s.segments[a:b])
 
 
-def _bad_or_fallback(func, args: tuple, kwargs: dict):
-    """torch's own error for a call it rejects (before any communication); else the exact fallback."""
-    raise_torch_error(func, args, kwargs)
-    return fallback(func, args, kwargs)
-
-
 def _index_map(index, ndim: int) -> dict[int, int] | None:
     """Input dim -> output dim (negative) of the dims indexed with a full slice ``:``; ``None`` if the index is not
     one torch applies dim by dim: ints, slices, ``None``, ``Ellipsis`` and at most one replicated advanced index
@@ -292,27 +288,30 @@ def _index_map(index, ndim: int) -> dict[int, int] | None:
     return {k: v - d_out for k, v in mapping.items()}  # output dims as negative indices
 
 
+def _indexed(layout: Layout, index, ndim: int) -> Layout | None:
+    """The layout of ``x[index]`` when the index leaves every sharded dim of ``x`` whole; ``None`` otherwise."""
+    mapping = _index_map(index, ndim)
+    if mapping is None or any(ndim + d not in mapping for d in layout.dims):
+        return None
+    return layout.moved({d: mapping[ndim + d] for d in layout.dims})
+
+
 def getitem(input, index):
     """Indexing that leaves every sharded dim whole (``x[:, 0]``, ``x[..., None]``, ``x[keep]`` with a replicated
     per-sample mask) is local."""
     x, layout = unwrap(input)
-    mapping = _index_map(index, x.dim())
-    ndim = x.dim()
-    if mapping is None or any(ndim + d not in mapping for d in layout.dims):
+    target = _indexed(layout, index, x.dim())
+    if target is None:
         return fallback(torch.Tensor.__getitem__, (input, index), {})
-    return adopt(x[index], layout.moved({d: mapping[ndim + d] for d in layout.dims}))
+    return adopt(x[index], target)
 
 
 def setitem(input, index, value):
     """``x[index] = value`` where the index leaves every sharded dim whole (``x[keep] = x[keep].flip(-1)``): each
     rank writes its rows; a replicated value is cut to them (``localize``)."""
     x, layout = unwrap(input)
-    mapping = _index_map(index, x.dim())
-    ndim = x.dim()
-    if mapping is None or any(ndim + d not in mapping for d in layout.dims):
-        return fallback(torch.Tensor.__setitem__, (input, index, value), {})
-    target = layout.moved({d: mapping[ndim + d] for d in layout.dims})
-    if isinstance(value, SpatialTensor) and value._layout != target:
+    target = _indexed(layout, index, x.dim())
+    if target is None or (isinstance(value, SpatialTensor) and value._layout != target):
         return fallback(torch.Tensor.__setitem__, (input, index, value), {})
     value = value.to_local() if isinstance(value, SpatialTensor) else localize(torch.Tensor.__setitem__, value, target)
     on_shard(torch.Tensor.__setitem__, input, index, value)
@@ -324,7 +323,7 @@ def flip(input, dims):
     x, layout = unwrap(input)
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     if any(not -x.dim() <= d < x.dim() for d in dims):
-        return _bad_or_fallback(torch.flip, (input, dims), {})
+        return bad_or_fallback(torch.flip, (input, dims), {})
     dims = tuple(d % x.dim() - x.dim() for d in dims)
     for d in dims:
         shards = layout.on(d)

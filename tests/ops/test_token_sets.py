@@ -48,7 +48,7 @@ def _token_layers(*args):
 
 def _regrouped(*levels):
     """Split at other borders: the first two levels together, then the last; softmax and sums over all tokens."""
-    tokens = torch.cat(_tokens(levels), 1)
+    tokens = torch.cat(_tokens(levels), 1).unsqueeze(1).squeeze(1)  # a size-1 dim before the sets, and gone again
     n = [x.shape[-2] * x.shape[-1] for x in levels]
     first_two, last = torch.split(tokens, [n[0] + n[1], n[2]], dim=1)
     mixed = torch.cat([first_two, last * 2], 1)  # a cat of a segmented operand: the segments stay as they were
