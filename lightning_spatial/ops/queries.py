@@ -158,7 +158,6 @@ LOCAL: frozenset[Callable] = frozenset(
                 "dim_order",
                 "result_type",
                 "__dlpack_device__",
-                "backward",
                 "register_hook",
                 "register_post_accumulate_grad_hook",
                 "retain_grad",
