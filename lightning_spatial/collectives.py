@@ -205,4 +205,33 @@ def all_gather(x: torch.Tensor, dim: int, group: Axis | dist.ProcessGroup | None
     return _AllGather.apply(x, dim, axis, global_size)
 
 
-__all__ = ["MAX", "MIN", "SUM", "across", "across_detached", "all_gather", "all_reduce"]
+def _scattered(x: torch.Tensor, dim: int, group, bounds) -> torch.Tensor:
+    """The sum over ``group`` of ``x``'s rows ``bounds[me]`` along ``dim``: one reduce-scatter (each rank receives
+    only its rows' sums; uneven parts as the partition rule gives them)."""
+    me = dist.get_rank(group)
+    parts = [x.narrow(dim, a, b - a).contiguous() for a, b in bounds]
+    out = torch.empty_like(parts[me])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, axis: Axis, n: int) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.bounds = dim, axis.group, partition(n, axis.size)
+        return _scattered(x, dim, ctx.group, ctx.bounds)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        # every rank's partial sum enters every row of the result: each takes the whole gradient
+        return _gathered(grad.contiguous(), ctx.dim, ctx.group, ctx.bounds), None, None, None
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    """Differentiable reduce-scatter of partial sums over a mesh axis: this rank's rows of the sum along ``dim``
+    (sharded by the partition rule). Its adjoint is an all-gather: each rank's partial takes the whole gradient."""
+    return _ReduceScatter.apply(x, dim, axis, x.shape[dim])
+
+
+__all__ = ["MAX", "MIN", "SUM", "across", "across_detached", "all_gather", "all_reduce", "reduce_scatter"]

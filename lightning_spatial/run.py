@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 FallbackMode = Literal["warn", "error", "silent"]
 FALLBACK_MODES = ("warn", "error", "silent")
+BEV_SHARDS = (None, "x", "y", "xy")
 
 
 @dataclass(eq=False)
@@ -32,10 +33,12 @@ class Run:
     bucket_views: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # parameter -> DDP's view
     halo_counters: list[HaloBytes] = field(default_factory=list)  # entered ``counting_halo_bytes`` blocks
     zero_undelivered: bool = False  # the planner's probe: fake groups deliver nothing, receive zeros instead
+    bev_shard: str | None = None  # sums into a BEV grid end sharded along "x", "y" or "xy" (ops.pending), or replicated
     warned: set[tuple[str, str]] = field(default_factory=set)  # (op, module) fallbacks announced in "warn" mode
 
     def __post_init__(self) -> None:
         check_fallback_mode(self.fallback)
+        check_bev_shard(self.bev_shard)
 
 
 def current() -> Run:
@@ -56,6 +59,11 @@ def entered(run: Run) -> Iterator[Run]:
 def check_fallback_mode(mode: str) -> None:
     if mode not in FALLBACK_MODES:
         raise ValueError(f"fallback must be 'warn', 'error' or 'silent', got {mode!r}")
+
+
+def check_bev_shard(bev_shard: str | None) -> None:
+    if bev_shard not in BEV_SHARDS:
+        raise ValueError(f"bev_shard must be None, 'x', 'y' or 'xy', got {bev_shard!r}")
 
 
 _RUNS: list[Run] = [Run()]  # the process's default run first, the innermost entered run last

@@ -49,6 +49,10 @@ class SpatialTensor(torch.Tensor):
         with _Plain():
             return self.as_subclass(torch.Tensor)
 
+    def settled(self) -> torch.Tensor:
+        """This tensor as a shard or a replicated tensor: itself; a sum still pending is reduced (``ops.pending``)."""
+        return self
+
     def __repr__(self, *, tensor_contents=None) -> str:  # local: printing must not communicate
         return f"SpatialTensor(layout=[{self._layout.describe()}], local={self.to_local()!r})"
 
@@ -177,7 +181,7 @@ def shard(tensor: torch.Tensor, dims: Mapping[int, Axis]) -> SpatialTensor:
 
 def gather(x: torch.Tensor) -> torch.Tensor:
     """The full tensor on every rank (differentiable; plain tensors are returned as they are)."""
-    local, layout = unwrap(x)
+    local, layout = unwrap(x.settled() if isinstance(x, SpatialTensor) else x)
     if layout is None:
         return local
     for dim in layout.dims:

@@ -46,6 +46,7 @@ def check(
     allow_fallback: bool = False,
     modules: tuple[torch.nn.Module, torch.nn.Module] | None = None,
     rtol: float | None = None,
+    bev_shard: str | None = None,
 ) -> None:
     """Compare ``op`` on shards of ``inputs[i]`` (i in ``sharded``) with ``op`` on the full tensors.
 
@@ -56,6 +57,7 @@ def check(
     ``modules=(reference, ours)``, the modules ``op`` runs on full tensors and on shards: every parameter's
     gradient (summed over the group) and every buffer after the call (BatchNorm statistics) are compared too.
     ``rtol`` replaces the dtype's tolerance, for a model whose reference is itself noisier (say by how much).
+    ``bev_shard``: the run's ``Run.bev_shard`` (sums into a BEV grid end sharded).
     """
     ref_inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     ref_out = op(*ref_inputs)
@@ -74,7 +76,7 @@ def check(
             ours.append(local)
     # A run of its own: fallbacks are errors (an exact gather-and-run would hide a missing handler) unless allowed,
     # then they warn, each once in this call
-    with entered(Run(fallback="warn" if allow_fallback else "error")):
+    with entered(Run(fallback="warn" if allow_fallback else "error", bev_shard=bev_shard)):
         out = op(*ours)
     outs = out if isinstance(out, tuple) else (out,)
     assert len(outs) == len(ref_outs)

@@ -61,6 +61,11 @@ class SpatialParallelStrategy(DDPStrategy):
             whose trailing two dims equal the image's (H, W) (``sharding.image_size`` says which is the image).
         fallback: an op without a spatial handler gathers its operands: ``"warn"`` once per op (default),
             ``"error"`` raises instead (naming the op, the module and the bytes), ``"silent"``.
+        bev_shard: where sums into a BEV grid (a splat: ``index_add``/``scatter_add``/``index_put`` of sharded
+            features, a ``grid_sample`` of sharded images) end: ``None`` (default): replicated on every rank of the
+            spatial group (one all-reduce); ``"x"``, ``"y"``, ``"xy"``: sharded along the grid's X (second to last
+            dim), Y (last dim) or both (2-D tiles, over the two axes of a 2-D group), by one reduce-scatter, so the
+            BEV encoder and head after the splat run on 1/S of the grid (``ops.pending``). No change to the model.
         cuda_graphs: which submodules' training forward and backward replay as CUDA graphs after two eager calls.
             ``"auto"`` (default): on CUDA, the largest submodules that ran once in the first training forward on
             image-sharded activations, chosen at the first ``fabric.backward`` and logged; ``False``: none; a list
@@ -83,6 +88,7 @@ class SpatialParallelStrategy(DDPStrategy):
         shard_select: Select | None = None,
         fallback: FallbackMode = "warn",
         cuda_graphs: CudaGraphs = "auto",
+        bev_shard: Literal["x", "y", "xy"] | None = None,
         sync_batchnorm: bool = False,
         accelerator=None,
         parallel_devices=None,
@@ -102,7 +108,7 @@ class SpatialParallelStrategy(DDPStrategy):
                 "spatial_size='auto' chooses the size from a probe of the Trainer's first training step; under Fabric "
                 "give the ranks per spatial group: an int (along shard_dim) or an (h, w) pair"
             )
-        check_options(spatial_size, shard_dim, fallback, cuda_graphs)
+        check_options(spatial_size, shard_dim, fallback, cuda_graphs, bev_shard)
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no second copy of the gradients
         super().__init__(
             accelerator=accelerator,
@@ -119,6 +125,7 @@ class SpatialParallelStrategy(DDPStrategy):
         self._shard_dim = shard_dim
         self._shard_select = shard_select
         self._fallback = fallback
+        self._bev_shard = bev_shard
         self._auto_graphs = cuda_graphs == "auto"
         self._cuda_graphs = graph_names(cuda_graphs)
         self._sync_batchnorm = sync_batchnorm
@@ -163,7 +170,7 @@ class SpatialParallelStrategy(DDPStrategy):
             return
         self.groups = SpatialGroups.build(self.dims, self.root_device, self._timeout)
         data = self.groups.data_axis if self._sync_batchnorm and self.axes and self.dims.data > 1 else None
-        self._run = RunScope(self._fallback, data, self.data_group)
+        self._run = RunScope(self._fallback, data, self.data_group, bev_shard=self._bev_shard)
 
     @property
     @override

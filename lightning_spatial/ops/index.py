@@ -30,6 +30,7 @@ from ..layout import Layout
 from ..tensor import SpatialTensor, on_shard, unwrap, wrap
 from ._common import layout_of, localize, moved_shards, negative_dim, split_shards
 from ._meta import meta_check
+from .pending import pending
 
 
 def _part(func, t, layout: Layout | None):
@@ -45,8 +46,9 @@ def _part(func, t, layout: Layout | None):
 
 def _scatter(func, call: tuple, input, source, dim: int, index_of, combine, inplace: bool):
     """The frame every scatter shares: this rank's parts of destination and indices (``index_of(along, kept)``
-    builds them), ``combine(dest, src, indices, along)`` scatters locally and reduces over the scattered dim's
-    axes. Anything it cannot do exactly takes the fallback with the original ``call`` (args, kwargs)."""
+    builds them), ``combine(dest, src, indices, along, may_pend)`` scatters locally and reduces over the scattered
+    dim's axes (a sum into a replicated result may be left pending: ``ops.pending``). Anything it cannot do
+    exactly takes the fallback with the original ``call`` (args, kwargs)."""
     src, ls = unwrap(source)
     along, kept = split_shards(ls, negative_dim(dim, src.dim()))
     dest, idx = _part(func, input, layout_of(kept)), index_of(along, kept)
@@ -55,7 +57,8 @@ def _scatter(func, call: tuple, input, source, dim: int, index_of, combine, inpl
         return fallback(func, *call)
     if inplace and input.is_leaf and input.requires_grad and torch.is_grad_enabled():  # torch's error, before messages
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
-    result = combine(dest.clone() if inplace else dest, src, idx, along)
+    # a sum into a replicated destination may stay pending (a BEV grid reduced sharded: ops.pending)
+    result = combine(dest.clone() if inplace else dest, src, idx, along, not inplace and not kept)
     if not inplace:
         return wrap(result, layout_of(kept))
     return on_shard(torch.Tensor.copy_, input, result)
@@ -68,8 +71,9 @@ def _index_add(inplace: bool):
         meta_check(torch.index_add, input, dim, index, source, alpha=alpha)
         d = negative_dim(dim, source.dim())
 
-        def combine(dest, src, idx, along):
-            return dest + across(torch.zeros_like(dest).index_add(d, idx, src, alpha=alpha), along)
+        def combine(dest, src, idx, along, may_pend):
+            sums = torch.zeros_like(dest).index_add(d, idx, src, alpha=alpha)
+            return pending(sums, along, dest) if may_pend else dest + across(sums, along)
 
         def index_of(along, kept):  # a 1-D index over the source's dim
             return _part(func, index, layout_of(moved_shards(along, -1)))
@@ -98,7 +102,7 @@ def _scatter_reduce(inplace: bool, fixed: str | None = None):
             return fallback(func, *call)
         d = negative_dim(dim, src.dim())
 
-        def combine(dest, src, idx, along):
+        def combine(dest, src, idx, along, may_pend):
             zeros = torch.zeros_like(dest)
             if reduce in ("amax", "amin"):
                 op = MAX if reduce == "amax" else MIN
@@ -112,7 +116,7 @@ def _scatter_reduce(inplace: bool, fixed: str | None = None):
                 )
             sums = zeros.scatter_add(d, idx, src)
             if reduce == "sum" and include_self:
-                return dest + across(sums, along)
+                return pending(sums, along, dest) if may_pend else dest + across(sums, along)
             counts = zeros.scatter_add(d, idx, torch.ones_like(src))
             sums, counts = across(torch.stack([sums, counts]), along).unbind(0)  # one message for both
             if reduce == "sum":
@@ -149,7 +153,10 @@ def _index_put(inplace: bool):
         dest, idx = _part(func, input, layout_of(kept)), [_part(func, t, index_layout) for t in indices]
         if dest is None or any(i is None for i in idx) or (inplace and kept and not isinstance(input, SpatialTensor)):
             return fallback(func, *call)
-        total = across(torch.zeros_like(dest).index_put(tuple(idx), vals, accumulate=True), along)
+        sums = torch.zeros_like(dest).index_put(tuple(idx), vals, accumulate=True)
+        if not inplace and not kept:
+            return pending(sums, along, dest)
+        total = across(sums, along)
         if not inplace:
             return wrap(dest + total, layout_of(kept))
         return on_shard(torch.Tensor.add_, input, total)

@@ -21,10 +21,10 @@ from functools import reduce
 import torch
 import torch.nn.functional as F
 
-from ..collectives import all_reduce
 from ..fallback import fallback
 from ..tensor import unwrap
 from ._common import eager_backward, spatial_shards
+from .pending import pending
 
 _MODES = ("bilinear", "nearest", "bicubic")  # torch's enum order (torch.grid_sampler's interpolation_mode)
 _PADDINGS = ("zeros", "border", "reflection")
@@ -77,10 +77,8 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
         kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
         return fallback(F.grid_sample, (input, grid), kwargs)
     index, weight = _shard_taps(x, layout, grid, mode, padding, align)
-    out = _TapSum.apply(x, index, weight)
-    for s in layout.shards:
-        out = all_reduce(out, s.axis)
-    return out.view(*x.shape[:2], *grid.shape[1:-1])
+    out = _TapSum.apply(x, index, weight).view(*x.shape[:2], *grid.shape[1:-1])
+    return pending(out, layout.shards)  # replicated, or sharded like the grid's cells (ops.pending)
 
 
 def _shard_taps(x, layout, grid, mode: str, padding: str, align: bool):

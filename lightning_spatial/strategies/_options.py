@@ -7,13 +7,17 @@ from collections.abc import Sequence
 from typing import Literal
 
 from ..mesh import SpatialDims, tiles
-from ..run import check_fallback_mode
+from ..run import check_bev_shard, check_fallback_mode
 
 CudaGraphs = Sequence[str] | Literal["auto"] | bool
 
 
 def check_options(
-    spatial_size: int | tuple[int, int] | Literal["auto"] | None, shard_dim: str, fallback: str, cuda_graphs: CudaGraphs
+    spatial_size: int | tuple[int, int] | Literal["auto"] | None,
+    shard_dim: str,
+    fallback: str,
+    cuda_graphs: CudaGraphs,
+    bev_shard: str | None = None,
 ) -> None:
     """Raise ``ValueError`` naming a bad option; whether the spatial size divides the world waits for the world."""
     h, w = tiles(1 if spatial_size is None or spatial_size == "auto" else spatial_size, shard_dim)
@@ -23,6 +27,7 @@ def check_options(
             f"cuda_graphs must be 'auto' (the default), False, or a list of submodule names, got {cuda_graphs!r}"
         )
     check_fallback_mode(fallback)
+    check_bev_shard(bev_shard)
 
 
 def graph_names(cuda_graphs: CudaGraphs) -> tuple[str, ...]:

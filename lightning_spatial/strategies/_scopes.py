@@ -30,13 +30,19 @@ class RunScope(ExitStack):
     """One run of a strategy: its ``Run`` (``state``: the fallback mode, BatchNorm's ``data_axis``, module paths) is
     current, and the module's metrics sync over ``data_group``, until ``close``; the strategy enters the rest of
     the run's changes (CUDA graphs, dynamo settings) on it, to be undone with them. ``zero_undelivered``: one rank
-    with PyTorch's fake backend (benchmarks), whose received halos read as zeros."""
+    with PyTorch's fake backend (benchmarks), whose received halos read as zeros. ``bev_shard``: ``Run.bev_shard``."""
 
-    def __init__(self, fallback: FallbackMode, data_axis: Any, data_group: Any, zero_undelivered: bool = False):
+    def __init__(
+        self,
+        fallback: FallbackMode,
+        data_axis: Any,
+        data_group: Any,
+        zero_undelivered: bool = False,
+        bev_shard: str | None = None,
+    ):
         super().__init__()
-        self.state = self.enter_context(
-            entered(Run(fallback=fallback, data_axis=data_axis, zero_undelivered=zero_undelivered))
-        )
+        run = Run(fallback=fallback, data_axis=data_axis, zero_undelivered=zero_undelivered, bev_shard=bev_shard)
+        self.state = self.enter_context(entered(run))
         self.metrics = MetricsOverData(data_group)
         self.callback(self.metrics.release)
 

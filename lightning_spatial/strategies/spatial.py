@@ -90,6 +90,11 @@ class SpatialParallelStrategy(DDPStrategy):
             whose trailing two dims equal the image's (H, W) (``sharding.image_size`` says which is the image).
         fallback: an op without a spatial handler gathers its operands: ``"warn"`` once per op (default),
             ``"error"`` raises instead (naming the op, the module and the bytes), ``"silent"``.
+        bev_shard: where sums into a BEV grid (a splat: ``index_add``/``scatter_add``/``index_put`` of sharded
+            features, a ``grid_sample`` of sharded images) end: ``None`` (default): replicated on every rank of the
+            spatial group (one all-reduce); ``"x"``, ``"y"``, ``"xy"``: sharded along the grid's X (second to last
+            dim), Y (last dim) or both (2-D tiles, over the two axes of a 2-D group), by one reduce-scatter, so the
+            BEV encoder and head after the splat run on 1/S of the grid (``ops.pending``). No change to the model.
         cuda_graphs: which submodules' training forward and backward replay as CUDA graphs after two eager calls
             (``graphs.CUDAGraphed``): no per-op Python in the step. ``"auto"`` (default): on CUDA, the largest
             submodules that run once a training step on image-sharded activations, found in the first step
@@ -116,6 +121,7 @@ class SpatialParallelStrategy(DDPStrategy):
         shard_select: Select | None = None,
         fallback: FallbackMode = "warn",
         cuda_graphs: CudaGraphs = "auto",
+        bev_shard: Literal["x", "y", "xy"] | None = None,
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -129,7 +135,7 @@ class SpatialParallelStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        check_options(spatial_size, shard_dim, fallback, cuda_graphs)  # now, not in the ranks
+        check_options(spatial_size, shard_dim, fallback, cuda_graphs, bev_shard)  # now, not in the ranks
         auto = spatial_size == "auto"
         if memory_budget is not None and not auto:
             raise ValueError(f"memory_budget is for spatial_size='auto', got spatial_size={spatial_size!r}")
@@ -159,6 +165,7 @@ class SpatialParallelStrategy(DDPStrategy):
         self._shard_dim = shard_dim
         self._shard_select = shard_select
         self._fallback = fallback
+        self._bev_shard = bev_shard
         # "auto": chosen after watching the first training step (lightning_spatial.capture); names: wrapped at setup
         self._auto_graphs = cuda_graphs == "auto"
         self._cuda_graphs = graph_names(cuda_graphs)
@@ -229,7 +236,7 @@ class SpatialParallelStrategy(DDPStrategy):
         data_axis = self.groups.data_axis if self._sync_batchnorm and self.dims.data > 1 else None
         # one rank with PyTorch's fake backend (benchmarks): messages never arrive, and received halos read as zeros
         fake = dist.get_backend() == "fake"
-        self._run = RunScope(self._fallback, data_axis, self.data_group, zero_undelivered=fake)
+        self._run = RunScope(self._fallback, data_axis, self.data_group, fake, self._bev_shard)
         self._run.enter_context(graphed(self.lightning_module, self._cuda_graphs))
         self._watch = Watch(self.lightning_module) if self._auto_graphs and self.root_device.type == "cuda" else None
         super().setup(trainer)

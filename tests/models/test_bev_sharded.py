@@ -6,15 +6,17 @@ ops in its ``allowed`` set (none today), so a new fallback fails here."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
 
+from lightning_spatial import SpatialTensor
 from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
 from tests.models.surround import surround_batch
-from tests.oracle import check
-from tests.spmd import axes, run_spmd
+from tests.oracle import assert_rel_close, check
+from tests.spmd import LAYOUTS, axes, run_spmd
 
 CASES = {  # name -> (model, its options, box counts per sample, allowed fallbacks)
     "lift_splat": (LiftSplat.tiny, {}, [3], set()),  # voxel pooling of the frustum features: ops.index
@@ -57,3 +59,46 @@ def _case(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_module_is_exact_on_width_sharded_images(name):
     run_spmd(_case, 2, name, timeout=300)
+
+
+def _bev_plane_case(name: str, layout: str, mode: str):
+    """The BEV plane sharded too (``bev_shard``): the splat ends sharded over the grid's cells, and the BEV encoder,
+    the CenterPoint head, its loss and its decoding run on them, no fallback; loss, image gradient, every parameter
+    gradient and BatchNorm buffer, and the decoded boxes equal one process's."""
+    make = {"lift_splat": LiftSplat.tiny, "simple_bev": SimpleBEV.tiny}[name]
+    torch.manual_seed(0)
+    reference = make().double()
+    ours = copy.deepcopy(reference)
+    height = 64 if layout == "2x2" else 32  # image rows for two ranks at the backbone's stride 32
+    batch = surround_batch(batch=2, cameras=2, height=height, width=96, boxes=[3, 1])
+    batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    decoded = []
+
+    def loss(images):
+        model = ours if isinstance(images, SpatialTensor) else reference
+        outputs = model({**batch, "images": images})
+        assert isinstance(outputs["heatmap"], SpatialTensor) == (model is ours)  # the head ran on shards
+        decoded.append(model.head.decode(outputs))
+        return model.loss(outputs, batch)["loss"]
+
+    check(loss, [batch["images"]], sharded=[0], axes=axes(layout), modules=(reference, ours), bev_shard=mode)
+    for theirs, mine in zip(*decoded):  # per sample
+        _same_detections(mine, theirs)
+
+
+def _same_detections(mine: dict, theirs: dict) -> None:
+    """The same top-k detections: scores (sorted) to float64 rounding, and every detection scored clearly above the
+    cut has a box of its label among ours. Scores that tie up to rounding may come in either order."""
+    assert_rel_close(mine["scores"], theirs["scores"], "decoded scores")
+    scale = theirs["boxes"].abs().max()
+    for box, label, score in zip(theirs["boxes"], theirs["labels"], theirs["scores"]):
+        if score <= theirs["scores"][-1] + 1e-9:
+            continue
+        candidates = mine["boxes"][mine["labels"] == label]
+        assert (candidates - box).abs().amax(-1).min() <= 1e-11 * scale, (box, label, score)
+
+
+@pytest.mark.parametrize("layout,mode", [("w2", "x"), ("w3", "y"), ("2x2", "xy")])
+@pytest.mark.parametrize("name", ["lift_splat", "simple_bev"])
+def test_bev_plane_sharded_is_exact(name, layout, mode):
+    run_spmd(_bev_plane_case, LAYOUTS[layout][0], name, layout, mode, timeout=300)

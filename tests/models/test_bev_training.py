@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_spatial import SpatialParallelStrategy
+from lightning_spatial import SpatialParallelStrategy, SpatialTensor
 from lightning_spatial.data import SurroundScenes, collate_surround
 from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
 from tests.strategy.test_equivalence import assert_same_weights
@@ -33,10 +33,15 @@ def loader(replica: tuple[int, int] = (0, 1)) -> torch.utils.data.DataLoader:
     )
 
 
-def train(name: str, strategy, devices: int, replica: tuple[int, int] = (0, 1)) -> L.LightningModule:
-    """Two epochs in float64 on this data replica's samples (the loader's order: no sampler is injected)."""
+def train(
+    name: str, strategy, devices: int, replica: tuple[int, int] = (0, 1), sharded_head: bool = False
+) -> L.LightningModule:
+    """Two epochs in float64 on this data replica's samples (the loader's order: no sampler is injected);
+    ``sharded_head``: every rank checks that the detection head's outputs are sharded (the BEV plane is)."""
     torch.manual_seed(0)
     model = MODELS[name]()
+    if sharded_head:
+        model.head.register_forward_hook(_outputs_sharded)
     # SGD: AdamW divides each step by the gradient's running norm, so a parameter whose true gradient is zero
     # (PETR's position-embedding bias shifts every key alike: softmax ignores it) would move by +-lr on rounding
     # noise alone, and runs that only sum in another order would drift apart
@@ -57,6 +62,11 @@ def train(name: str, strategy, devices: int, replica: tuple[int, int] = (0, 1)) 
     return model
 
 
+def _outputs_sharded(module, inputs, outputs) -> None:
+    if not isinstance(outputs["heatmap"], SpatialTensor):
+        raise AssertionError(f"the head ran on a replicated BEV grid: {type(outputs['heatmap'])}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spatial", [2, (2, 2)], ids=["w2", "2x2"])
 @pytest.mark.parametrize("name", list(MODELS))
@@ -67,3 +77,21 @@ def test_bev_module_trains_to_the_single_device_weights(name, spatial):
     # the fork launcher hands the float64 weights back into this process's float32 model: both sides are rounded
     # to float32 once, so 2 float32 ulps is the float64 agreement seen through that rounding
     assert_same_weights(ours, reference.float(), tolerance=2e-7, zero_floor=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spatial,bev_shard", [(2, "x"), ((2, 2), "xy")], ids=["w2-x", "2x2-xy"])
+@pytest.mark.parametrize("name", ["lift_splat", "simple_bev"])
+def test_bev_plane_sharded_trains_to_the_single_device_weights(name, spatial, bev_shard):
+    """``bev_shard``: the BEV encoder and head run on the rank's cells of the grid, and training still reaches the
+    single-device weights (the module cannot tell: no fallback, no change to it)."""
+    reference = train(name, "auto", 1)
+    devices = 2 if spatial == 2 else 4
+    strategy = SpatialParallelStrategy(spatial, fallback="error", bev_shard=bev_shard, start_method="fork")
+    ours = train(name, strategy, devices, sharded_head=True)
+    assert_same_weights(ours, reference.float(), tolerance=2e-7, zero_floor=1e-12)
+
+
+def test_bad_bev_shard_fails_at_construction():
+    with pytest.raises(ValueError, match=r"bev_shard must be None, 'x', 'y' or 'xy', got 'z'"):
+        SpatialParallelStrategy(2, bev_shard="z")

@@ -17,6 +17,11 @@ from .geometry import BEVGrid
 from .losses import gaussian_focal_loss, l1_known
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision outputs in float32 for the losses and the decoding; float32 and float64 as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def conv_bn_relu(cin: int, cout: int) -> list[nn.Module]:
     return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
 
@@ -89,19 +94,19 @@ class CenterHead(nn.Module):
         heatmap, regression, mask = (torch.stack(t) for t in zip(*map(self.targets, boxes, labels)))
         count = normaliser(mask.sum()).clamp(min=1)
         weights = outputs["regression"].new_tensor(box_code.CODE_WEIGHTS).view(1, -1, 1, 1)
-        heat = gaussian_focal_loss(outputs["heatmap"].float(), heatmap) / count
-        reg = self.regression_weight * l1_known(outputs["regression"].float(), regression, weights * mask) / count
+        heat = gaussian_focal_loss(_wide(outputs["heatmap"]), heatmap) / count
+        reg = self.regression_weight * l1_known(_wide(outputs["regression"]), regression, weights * mask) / count
         return {"loss": heat + reg, "loss_heatmap": heat, "loss_regression": reg}
 
     @torch.no_grad()
     def decode(self, outputs) -> list[dict[str, torch.Tensor]]:
         """Top-k heatmap peaks (3x3 max-pool NMS) -> boxes from the regression at the peak cells."""
-        heat = outputs["heatmap"].float().sigmoid()
+        heat = _wide(outputs["heatmap"]).sigmoid()
         b, k, nx, ny = heat.shape
         peaks = heat * (F.max_pool2d(heat, 3, stride=1, padding=1) == heat)
         scores, index = peaks.flatten(1).topk(min(self.max_detections, k * nx * ny))
         labels, cells = index // (nx * ny), index % (nx * ny)
-        code = outputs["regression"].float().flatten(2).gather(2, cells[:, None].expand(-1, box_code.CODE_SIZE, -1))
+        code = _wide(outputs["regression"]).flatten(2).gather(2, cells[:, None].expand(-1, box_code.CODE_SIZE, -1))
         code = code.transpose(1, 2)
         r, (cx, cy) = self.grid.point_cloud_range, self.grid.cell
         x = r[0] + (cells // ny + code[..., 0]) * cx

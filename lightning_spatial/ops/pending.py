@@ -1,0 +1,130 @@
+"""Sums not yet reduced: a splat into a BEV grid ends sharded over the grid's cells instead of replicated.
+
+A scatter of sharded sources (``index_add``, ``scatter_add``, ``index_put(accumulate=True)``) and a
+``grid_sample`` of a sharded image leave every rank with a *partial* sum of the whole destination; today one
+all-reduce makes it whole on every rank. With ``Run.bev_shard`` set (``SpatialParallelStrategy(bev_shard=...)``)
+the partial sum travels on as a ``PendingSum`` through the views that rearrange it (``view``, ``reshape``,
+``permute``, ...), and the first other op reduces it: a tensor of at least 4 dims whose last two are a BEV plane
+``(..., X, Y)`` is reduce-scattered along X, Y or both (2-D tiles), so each rank receives the sums of its own cells
+only; anything smaller (a histogram, a flat ``(cells, C)`` table read as such) is all-reduced as before. The
+adjoint of the reduce-scatter is an all-gather: every rank's partial takes the whole gradient.
+
+The destination's own values (``dest + sums``) enter once, after the reduction (``base``), as they do today.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..collectives import across, reduce_scatter
+from ..layout import DimShard, Layout, LayoutError
+from ..mesh import Axis
+from ..run import current
+from ..tensor import SpatialTensor, _dynamo_compiling, _Plain, wrap
+from .queries import GLOBAL, LOCAL
+
+# ops that only rearrange the partial sums' elements: applied to the partial sums and the base, still pending
+_VIEWS = frozenset(
+    {
+        torch.Tensor.view,
+        torch.Tensor.reshape,
+        torch.reshape,
+        torch.Tensor.permute,
+        torch.permute,
+        torch.Tensor.transpose,
+        torch.transpose,
+        torch.Tensor.flatten,
+        torch.flatten,
+        torch.Tensor.unflatten,
+        torch.unflatten,
+        torch.Tensor.unsqueeze,
+        torch.unsqueeze,
+        torch.Tensor.squeeze,
+        torch.squeeze,
+        torch.Tensor.contiguous,
+        torch.Tensor.movedim,
+        torch.movedim,
+    }
+)
+_QUERIES = LOCAL | frozenset(GLOBAL)
+
+
+class PendingSum(SpatialTensor):
+    """This rank's partial sum of a whole destination (its data has the global shape), reduced by the first op
+    that reads it (module docstring). A subclass of ``SpatialTensor`` so that its ``__torch_function__`` runs first
+    wherever the two meet."""
+
+    _axes: tuple[Axis, ...]
+    _addend: torch.Tensor | None
+
+    def settled(self) -> torch.Tensor:
+        return resolve(self)
+
+    def to_local(self) -> torch.Tensor:
+        settled = resolve(self)
+        return settled.to_local() if isinstance(settled, SpatialTensor) else settled
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # local: printing must not communicate
+        with _Plain():
+            return f"PendingSum(over {len(self._axes)} axes, partial={self.as_subclass(torch.Tensor)!r})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _QUERIES:
+            with _Plain():
+                return func(*args, **kwargs)
+        first = args[0] if args else None
+        if func in _VIEWS and type(first) is PendingSum:
+            with _Plain():
+                partial = func(first.as_subclass(torch.Tensor), *args[1:], **kwargs)
+                base = None if first._addend is None else func(first._addend, *args[1:], **kwargs)
+            return pending(partial, first._axes, base)
+        resolved = tree_map(lambda a: resolve(a) if type(a) is PendingSum else a, (args, kwargs))
+        return func(*resolved[0], **resolved[1])
+
+
+def pending(partial: torch.Tensor, axes: Sequence, base: torch.Tensor | None = None) -> torch.Tensor:
+    """``base + (the sum over axes of partial)``: pending under ``Run.bev_shard``, else reduced now (all-reduce)."""
+    axes = tuple(getattr(a, "axis", a) for a in axes)
+    if current().bev_shard is None or not axes or _dynamo_compiling():
+        total = across(partial, axes)
+        return total if base is None else base + total
+    with _Plain():
+        out = partial.as_subclass(PendingSum)
+    out._axes, out._addend, out._layout = axes, base, Layout(())
+    return out
+
+
+def resolve(p: PendingSum) -> torch.Tensor:
+    """The pending sum reduced: sharded over its last two dims by ``Run.bev_shard`` if it is a BEV plane, else
+    replicated."""
+    with _Plain():
+        partial = p.as_subclass(torch.Tensor)
+    axes, base, mode = p._axes, p._addend, current().bev_shard
+    dims = {"x": (-2,), "y": (-1,), "xy": (-2, -1)}[mode] if partial.dim() >= 4 else ()
+    plane = list(zip(dims, axes))  # (dim, axis) pairs; axes beyond them are all-reduced
+    for dim, axis in plane:
+        if partial.shape[dim] < axis.size:
+            raise LayoutError(
+                f"the BEV grid {tuple(partial.shape)} has {partial.shape[dim]} cells along dim {dim}, fewer than its "
+                f"{axis.size} ranks (bev_shard={mode!r}): use a finer grid, fewer spatial ranks, or "
+                "bev_shard=None (a replicated grid)"
+            )
+    total = across(partial, [a for a in axes if a not in {axis for _, axis in plane}])
+    if not plane:
+        return total if base is None else base + total
+    shards = []
+    for dim, axis in plane:
+        shards.append(DimShard(dim, axis, total.shape[dim]))
+        total = reduce_scatter(total, total.dim() + dim, axis)
+    layout = Layout(tuple(shards))
+    if base is not None:
+        total = total + layout.take_local(base)
+    return wrap(total, layout)
+
+
+__all__ = ["PendingSum", "pending", "resolve"]

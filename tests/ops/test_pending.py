@@ -1,0 +1,99 @@
+"""Sums into a BEV grid sharded over its cells (``Run.bev_shard``, ``ops.pending``): a splat (``index_add``,
+``scatter_add``, ``index_put(accumulate=True)``) of sharded features and a ``grid_sample`` of a sharded image
+followed by what a BEV encoder does (views, a 3x3 conv, batch norm, a loss), against one process: outputs and
+every gradient, on w2, w3 (uneven), h2 and 2x2, fp32 and float64, fallbacks as errors. The reduced grid must be
+sharded as asked (checked on its layout), a small result stays replicated, and a grid smaller than its ranks
+raises before any message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_spatial import LayoutError, SpatialTensor, shard
+from lightning_spatial.run import Run, entered
+from tests.oracle import check
+from tests.spmd import LAYOUTS, axes, run_spmd
+
+B, C, X, Y = 2, 3, 7, 5  # odd cell counts: uneven shards of the grid too
+SPLATS = ("index_add", "scatter_add", "index_put", "grid_sample")
+MODES = {"w2": "x", "w3": "y", "h2": "xy", "2x2": "xy"}  # 2x2 with "xy": 2-D tiles over the two axes
+
+
+def _splat(kind: str, feats: torch.Tensor, cells: torch.Tensor, grid: torch.Tensor, dest: torch.Tensor):
+    """(B, C, h, w) image features -> (B, C, X, Y) BEV grid, as BEV code writes it, the scatters into ``dest``
+    (random: the destination's own values enter once, after the reduction)."""
+    if kind == "grid_sample":  # Simple-BEV: sample the image at every cell's projection
+        return F.grid_sample(feats, grid, align_corners=False)
+    rows = feats.permute(0, 2, 3, 1).reshape(-1, C)  # (B*h*w, C), a token dim merged from the sharded map
+    if kind == "index_add":  # Lift-Splat's voxel pooling
+        flat = dest.index_add(0, cells, rows)
+    elif kind == "scatter_add":
+        flat = dest.scatter_add(0, cells[:, None].expand(-1, C), rows)
+    else:
+        flat = dest.index_put((cells,), rows, accumulate=True)
+    return flat.view(B, X, Y, C).permute(0, 3, 1, 2)
+
+
+def _bev_case(layout: str, kind: str, dtype: torch.dtype, mode: str, then: str):
+    torch.manual_seed(0)
+    feats = torch.randn(B, C, 6, 12, dtype=dtype)
+    cells = torch.randint(0, B * X * Y, (B * 6 * 12,))
+    grid = torch.rand(B, X, Y, 2, dtype=dtype) * 2.4 - 1.2  # some cells project outside the image
+    weight = torch.randn(4, C, 3, 3, dtype=dtype)
+    dest = torch.randn(B * X * Y, C, dtype=dtype)
+    seen = []
+
+    def op(x):
+        bev = _splat(kind, x, cells, grid, dest)
+        if then == "grid":
+            return bev * 1.0  # an element-wise op reduces it
+        y = F.conv2d(bev, weight, padding=1)
+        seen.append(y)
+        y = F.batch_norm(y, None, None, training=True).relu()
+        return y if then == "encoder" else (y.sigmoid() * y).mean()
+
+    check(op, [feats], sharded=[0], axes=axes(layout), bev_shard=mode)
+    want = {"x": (-2,), "y": (-1,), "xy": (-2, -1)[: len(LAYOUTS[layout][1])]}[mode]
+    if then != "grid":
+        sharded = seen[-1]  # the conv after the splat ran on this rank's cells only
+        assert isinstance(sharded, SpatialTensor) and sharded.shard_layout.dims == want, sharded
+
+
+@pytest.mark.parametrize("then", ["grid", "encoder", "loss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("kind", SPLATS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_splat_then_encoder_matches_one_process(layout, kind, dtype, then):
+    run_spmd(_bev_case, LAYOUTS[layout][0], layout, kind, dtype, MODES[layout], then)
+
+
+def _small_case():
+    """A sum that is no BEV plane (fewer than 4 dims) is replicated, exactly as without ``bev_shard``."""
+    torch.manual_seed(0)
+    feats = torch.randn(B, C, 6, 12, dtype=torch.float64)
+    cells = torch.randint(0, 9, (B * 6 * 12,))
+
+    def op(x):
+        table = torch.zeros(9, C, dtype=x.dtype).index_add(0, cells, x.permute(0, 2, 3, 1).reshape(-1, C))
+        return table.t() * 2.0
+
+    check(op, [feats], sharded=[0], axes=axes("w2"), bev_shard="xy")
+
+
+def test_a_table_stays_replicated():
+    run_spmd(_small_case, 2)
+
+
+def _too_small_case():
+    feats = shard(torch.randn(1, C, 4, 8), axes("w3"))
+    grid = torch.rand(1, 2, 6, 2) * 2 - 1  # 2 cells along X, 3 ranks
+    with entered(Run(fallback="error", bev_shard="x")):
+        bev = F.grid_sample(feats, grid, align_corners=False)
+        with pytest.raises(LayoutError, match=r"2 cells along dim -2, fewer than its 3 ranks.*bev_shard=None"):
+            bev + 1
+
+
+def test_a_grid_smaller_than_its_ranks_raises():
+    run_spmd(_too_small_case, 3)
