@@ -97,3 +97,34 @@ def _too_small_case():
 
 def test_a_grid_smaller_than_its_ranks_raises():
     run_spmd(_too_small_case, 3)
+
+
+def _temporal_case(layout: str, dtype: torch.dtype, mode: str):
+    """Temporal fusion on a sharded BEV grid: the previous frame's grid, sharded over its cells, warped by ego motion
+    (``grid_sample`` at a replicated sampling grid), comes back sharded like the current one and joins it along
+    channels for a conv."""
+    torch.manual_seed(0)
+    feats, prev = torch.randn(B, C, 6, 12, dtype=dtype), torch.randn(B, C, 6, 12, dtype=dtype)
+    cells = torch.randint(0, B * X * Y, (B * 6 * 12,))
+    angle, shift = 0.1, torch.tensor([0.05, -0.1], dtype=dtype)
+    rotation = torch.tensor([[1.0, -angle], [angle, 1.0]], dtype=dtype)
+    ys, xs = torch.meshgrid(torch.linspace(-1, 1, X, dtype=dtype), torch.linspace(-1, 1, Y, dtype=dtype), indexing="ij")
+    ego = (torch.stack([xs, ys], -1) @ rotation.T + shift).expand(B, X, Y, 2)  # where each cell was a frame ago
+    weight = torch.randn(4, 2 * C, 3, 3, dtype=dtype)
+    dest = torch.randn(B * X * Y, C, dtype=dtype)
+
+    def op(now_image, prev_image):
+        now = _splat("index_add", now_image, cells, None, dest)
+        before = _splat("index_add", prev_image, cells.flip(0), None, dest)
+        warped = F.grid_sample(before, ego, align_corners=False)  # a sharded BEV input, a replicated grid
+        out = F.conv2d(torch.cat([now, warped], 1), weight, padding=1)
+        assert isinstance(out, SpatialTensor) == isinstance(now_image, SpatialTensor)  # sharded all the way
+        return out
+
+    check(op, [feats, prev], sharded=[0, 1], axes=axes(layout), bev_shard=mode)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_temporal_fusion_on_a_sharded_grid(layout, dtype):
+    run_spmd(_temporal_case, LAYOUTS[layout][0], layout, dtype, MODES[layout])
