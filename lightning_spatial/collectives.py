@@ -217,8 +217,8 @@ def _scattered(x: torch.Tensor, dim: int, group, bounds) -> torch.Tensor:
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, axis: Axis, n: int) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.bounds = dim, axis.group, partition(n, axis.size)
+    def forward(ctx, x: torch.Tensor, dim: int, axis: Axis, bounds) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.bounds = dim, axis.group, bounds
         return _scattered(x, dim, ctx.group, ctx.bounds)
 
     @staticmethod
@@ -228,10 +228,12 @@ class _ReduceScatter(torch.autograd.Function):
         return _gathered(grad.contiguous(), ctx.dim, ctx.group, ctx.bounds), None, None, None
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
-    """Differentiable reduce-scatter of partial sums over a mesh axis: this rank's rows of the sum along ``dim``
-    (sharded by the partition rule). Its adjoint is an all-gather: each rank's partial takes the whole gradient."""
-    return _ReduceScatter.apply(x, dim, axis, x.shape[dim])
+def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis, inner: int = 1) -> torch.Tensor:
+    """Differentiable reduce-scatter of partial sums over a mesh axis: this rank's rows of the sum along ``dim``,
+    whose ``dim // inner`` outer rows are sharded by the partition rule (``inner`` > 1: a token dim whose outer
+    factor is the sharded one). Its adjoint is an all-gather: each rank's partial takes the whole gradient."""
+    bounds = tuple((a * inner, b * inner) for a, b in partition(x.shape[dim] // inner, axis.size))
+    return _ReduceScatter.apply(x, dim, axis, bounds)
 
 
 __all__ = ["MAX", "MIN", "SUM", "across", "across_detached", "all_gather", "all_reduce", "reduce_scatter"]

@@ -7,8 +7,10 @@ in its own shard, and the group sums the partial outputs. A tap belongs to exact
 needed. The sum's adjoint (an all-reduce) hands every rank the whole output gradient: the input gradient is
 exact locally and the grid gradient is a split over the group (``collectives``).
 
-The output is replicated. A sharded grid (sampling points that are themselves a sharded activation) takes
-the exact gather fallback, with its warning.
+The output is replicated, or sharded over its cells with ``bev_shard`` (``ops.pending``). A grid sharded along
+its point dims (BEV queries, over the input's ranks) is all-gathered (points are small), every rank samples all
+points in its own shard, and a reduce-scatter hands each point's sums to the rank that holds the point: the output
+is sharded like the grid. A grid sharded otherwise takes the exact gather fallback, with its warning.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+from dataclasses import replace
 from functools import reduce
 
 import torch
 import torch.nn.functional as F
 
+from ..collectives import across, reduce_scatter
 from ..fallback import fallback
-from ..tensor import unwrap
+from ..layout import Layout
+from ..tensor import gather, unwrap, wrap
 from ._common import eager_backward, spatial_shards
 from .pending import pending
 
@@ -73,12 +78,43 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
     input, grid = _autocast(input, grid)
     _check(input, grid, mode, dims)
     x, layout = unwrap(input)
-    if layout is None or unwrap(grid)[1] is not None:
+    points = unwrap(grid)[1]
+    if layout is None or (points is not None and not _by_points(points, grid.dim())):
         kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
         return fallback(F.grid_sample, (input, grid), kwargs)
-    index, weight = _shard_taps(x, layout, grid, mode, padding, align)
-    out = _TapSum.apply(x, index, weight).view(*x.shape[:2], *grid.shape[1:-1])
-    return pending(out, layout.shards)  # replicated, or sharded like the grid's cells (ops.pending)
+    whole = gather(grid)  # a sharded grid: every rank samples every point in its own part of the input
+    index, weight = _shard_taps(x, layout, whole, mode, padding, align)
+    out = _TapSum.apply(x, index, weight).view(*x.shape[:2], *whole.shape[1:-1])
+    if points is None:
+        return pending(out, layout.shards)  # replicated, or sharded like the grid's cells (ops.pending)
+    return _to_point_owners(out, layout, points)
+
+
+def _by_points(points: Layout, ndim: int) -> bool:
+    """A grid sharded along its point dims (not the batch, not the coordinates), each a plain dim or a token dim
+    whose outer factor is the sharded one (flattened BEV queries)."""
+    return all(-ndim < s.dim < -1 and s.outer == 1 and not s.segments for s in points.shards) and all(
+        len(points.on(d)) == 1 for d in points.dims
+    )
+
+
+def _to_point_owners(out: torch.Tensor, layout: Layout, points: Layout) -> torch.Tensor:
+    """Every rank's partial sums for all points -> each point's sums on the rank that holds it (the grid's layout,
+    one dim later: the output has channels where the grid has coordinates). Along an axis the input is sharded over,
+    a reduce-scatter; along another, this rank's points are complete already; an input axis the grid is not sharded
+    over is all-reduced."""
+    mine = {s.axis.ranks for s in points.shards}
+    out = across(out, [s for s in layout.shards if s.axis.ranks not in mine])
+    partial = {s.axis.ranks for s in layout.shards}
+    shards = []
+    for s in points.shards:
+        dim = out.dim() + s.dim + 1
+        if s.axis.ranks in partial:
+            out = reduce_scatter(out, dim, s.axis, s.inner)
+        else:
+            out = out.narrow(dim, s.start * s.inner, (s.stop - s.start) * s.inner)
+        shards.append(replace(s, dim=s.dim + 1))
+    return wrap(out, Layout(tuple(shards)))
 
 
 def _shard_taps(x, layout, grid, mode: str, padding: str, align: bool):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tests.oracle as oracle
-from lightning_spatial import LayoutError, shard
+from lightning_spatial import LayoutError, SpatialTensor, shard
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
@@ -117,25 +117,21 @@ def test_torch_functions(layout):
     run_spmd(_torch_functions_case, LAYOUTS[layout][0], layout)
 
 
-def _sharded_grid_case():
+def _transposed_grid_case():
     gen = torch.Generator().manual_seed(7)
     x, grid = torch.randn(2, 3, 8, 16, generator=gen), _grid((8, 16), False, torch.float32, gen)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        # the grid is stored (N, H, 2, W) so that its W (not its coordinates) is sharded like the input's
-        check(
-            lambda x, g: F.grid_sample(x, g.transpose(-1, -2), align_corners=False),
-            [x, grid.transpose(-1, -2)],
-            sharded=[0, 1],
-            axes=axes("w2"),
-            allow_fallback=True,
-        )
-    assert any("grid_sample has no spatial handler" in str(w.message) for w in caught)
+    # the grid is stored (N, H, 2, W), its W sharded like the input's: transposed, its points are sharded
+    check(
+        lambda x, g: F.grid_sample(x, g.transpose(-1, -2), align_corners=False),
+        [x, grid.transpose(-1, -2)],
+        sharded=[0, 1],
+        axes=axes("w2"),
+    )
 
 
-def test_sharded_grid_falls_back():
-    """A sharded grid is gathered (exact, with the fallback's warning)."""
-    run_spmd(_sharded_grid_case, 2)
+def test_a_grid_sharded_through_a_transpose():
+    """A grid whose points are sharded is sampled without a gather of the input (fallbacks as errors)."""
+    run_spmd(_transposed_grid_case, 2)
 
 
 def _autocast_case():
@@ -204,3 +200,39 @@ def _bad_calls_rank0():
 def test_bad_input_raises_torchs_error_before_communicating():
     """Only rank 0 makes the bad calls; an op that communicated first would hang the barrier."""
     run_spmd(_bad_calls_rank0, 2, timeout=60)
+
+
+def _grid_by_points_case(layout: str, dtype: torch.dtype, tokens: bool):
+    """BEV queries sampling a sharded image (Simple-BEV's lifting, BEVFormer's cross-attention by ``grid_sample``):
+    the grid sharded along its point dims over the image's ranks (X over the first axis, Y over the second), or its
+    points flattened to query tokens (``(N, X*Y, 1, 2)``). Each rank samples every point in its own image part; each
+    point's sums reach its owner (the output sharded like the grid). Outputs, image and grid gradients."""
+    torch.manual_seed(0)
+    image = torch.randn(2, 3, 6, 10, dtype=dtype)
+    grid = (torch.rand(2, 5, 4, 2, dtype=dtype) * 2.4 - 1.2).requires_grad_()  # some points outside the image
+    ax = axes(layout)
+    by_points = {-3: next(iter(ax.values()))} if len(ax) == 1 else {-3: ax[-2], -2: ax[-1]}
+
+    def op(x, g):
+        if isinstance(x, SpatialTensor):
+            g = shard(g, by_points)
+        if tokens:
+            g = g.flatten(1, 2).unsqueeze(2)  # (N, X*Y, 1, 2) query tokens, one point each
+        out = F.grid_sample(x, g, mode="bilinear", padding_mode="zeros", align_corners=False)
+        if isinstance(x, SpatialTensor):
+            assert isinstance(out, SpatialTensor) and len(out.shard_layout.shards) == len(by_points), out
+        return out
+
+    if tokens and len(by_points) == 2:  # 2-D tiles flatten into two sharded factors of one token dim
+        with pytest.raises(LayoutError, match="grid_sample"):
+            check(op, [image, grid], sharded=[0], axes=ax)  # fallbacks are errors: the exact fallback was chosen
+        return
+    with _tolerance(dtype):
+        check(op, [image, grid], sharded=[0], axes=ax)
+
+
+@pytest.mark.parametrize("tokens", [False, True], ids=["map", "tokens"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_a_grid_sharded_by_points(layout, dtype, tokens):
+    run_spmd(_grid_by_points_case, LAYOUTS[layout][0], layout, dtype, tokens)
