@@ -32,7 +32,7 @@ CASES = {  # name -> (model, its options, box counts per sample, allowed fallbac
 }
 
 
-def _case(name):
+def _case(name, bev_shard=None):
     make, options, boxes, allowed = CASES[name]
     torch.manual_seed(0)
     model = make(**options).double()
@@ -48,7 +48,14 @@ def _case(name):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        check(loss, [batch[k] for k in names], sharded=range(len(names)), axes=axes("w2"), allow_fallback=True)
+        check(
+            loss,
+            [batch[k] for k in names],
+            sharded=range(len(names)),
+            axes=axes("w2"),
+            allow_fallback=True,
+            bev_shard=bev_shard,
+        )
     marker = " has no spatial handler"
     fallbacks = {
         str(w.message).split(marker)[0].removeprefix("lightning_spatial: ") for w in caught if marker in str(w.message)
@@ -59,6 +66,12 @@ def _case(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_module_is_exact_on_width_sharded_images(name):
     run_spmd(_case, 2, name, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["petrv2", "petr_denoising"])
+def test_petr_is_unaffected_by_bev_shard(name):
+    """PETR has no BEV grid: with ``bev_shard`` set it runs as without it (exact, no fallback)."""
+    run_spmd(_case, 2, name, "xy", timeout=300)
 
 
 def _bev_plane_case(name: str, layout: str, mode: str):
