@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..collectives import across, reduce_scatter
+from ..fallback import is_inplace, name_of
 from ..layout import DimShard, Layout, LayoutError
 from ..mesh import Axis
 from ..run import current
@@ -83,6 +84,12 @@ class PendingSum(SpatialTensor):
                 partial = func(first.as_subclass(torch.Tensor), *args[1:], **kwargs)
                 base = None if first._addend is None else func(first._addend, *args[1:], **kwargs)
             return pending(partial, first._axes, base)
+        if type(first) is PendingSum and is_inplace(func):
+            raise LayoutError(
+                f"{name_of(func)} writes into a BEV grid whose sums are not reduced yet "
+                f"(bev_shard={current().bev_shard!r}), and the reduced grid is a new tensor: write the result to a "
+                "new name (bev = bev + x instead of bev += x), or use bev_shard=None"
+            )
         resolved = tree_map(lambda a: resolve(a) if type(a) is PendingSum else a, (args, kwargs))
         return func(*resolved[0], **resolved[1])
 

@@ -128,3 +128,20 @@ def _temporal_case(layout: str, dtype: torch.dtype, mode: str):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_temporal_fusion_on_a_sharded_grid(layout, dtype):
     run_spmd(_temporal_case, LAYOUTS[layout][0], layout, dtype, MODES[layout])
+
+
+def _inplace_case():
+    feats = shard(torch.randn(1, C, 4, 8), axes("w2"))
+    grid = torch.rand(1, X, Y, 2) * 2 - 1
+    with entered(Run(fallback="error", bev_shard="x")):
+        bev = F.grid_sample(feats, grid, align_corners=False)
+        with pytest.raises(LayoutError, match=r"add_ writes into a BEV grid .*bev = bev \+ x"):
+            bev.add_(1.0)
+        with pytest.raises(LayoutError, match=r"add_ writes into a BEV grid"):
+            bev += 1.0
+        assert isinstance(bev + 1.0, SpatialTensor)  # as a new tensor it is reduced, sharded
+
+
+def test_an_inplace_write_into_pending_sums_raises():
+    """Writing into the sums before they are reduced would update a tensor the name no longer means: a clear error."""
+    run_spmd(_inplace_case, 2)
