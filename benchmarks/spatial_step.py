@@ -58,8 +58,20 @@ GIB = 2**30
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="convnext_xlarge", help="a timm model, or petr / petr_tiny (surround cameras)")
-    p.add_argument("--cameras", type=int, default=6, help="cameras per sample (petr)")
+    p.add_argument(
+        "--model",
+        default="convnext_xlarge",
+        help="a timm model, or a BEV detector on surround cameras: petr, lift_splat, simple_bev (paper-sized), "
+        "petr_tiny, lift_splat_tiny, simple_bev_tiny",
+    )
+    p.add_argument("--cameras", type=int, default=6, help="cameras per sample (BEV detectors)")
+    p.add_argument(
+        "--bev-shard",
+        default="none",
+        choices=["none", "x", "y", "xy"],
+        help="where a BEV detector's grid ends after its splat: replicated (none) or sharded over its cells "
+        "(SpatialParallelStrategy(bev_shard=...))",
+    )
     p.add_argument("--batch", type=int, default=7)
     p.add_argument("--height", type=int, default=512)
     p.add_argument("--widths", default="4096", help="comma list")
@@ -202,6 +214,7 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
         "zero_grad": args.zero_grad,
         "graphs": args.graphs,
         "compile": args.compile,
+        "bev_shard": args.bev_shard,
     }
     gen = torch.Generator(device=device).manual_seed(rank)
     baseline = args.baseline != "0" and (not real or rank == 0)
@@ -294,6 +307,7 @@ def print_table(rows: list[dict]) -> None:
         name = f"{r['model']} {r['batch']}{cameras}x3x{r['height']}x{r['width']} S={r['spatial']} {r['tiles']}"
         name += f" {r['precision']}" + (" ckpt" if r["ckpt"] else "")
         name += f" D={r['data']}" if r.get("data", 1) > 1 else ""
+        name += f" bev={r['bev_shard']}" if r.get("bev_shard", "none") != "none" else ""
         print(
             f"{name:60}"
             + "".join(f" {r.get(key, float('nan')):{width}.{digits}f}" for _, key, width, digits in COLUMNS)
@@ -449,7 +463,8 @@ def main() -> None:
             continue
         # one rank of a fake group: halos go to the fake backend, which delivers nothing; they read as zeros
         # (uninitialised memory could hold NaNs, which a detector's Hungarian matching refuses)
-        with entered(Run(zero_undelivered=not real)):
+        bev_shard = None if args.bev_shard == "none" else args.bev_shard
+        with entered(Run(zero_undelivered=not real, bev_shard=bev_shard)):
             row = run_config(args, device, int(width), s, layout, precision, ckpt, real)
         rows.append(row)
         if not real or dist.get_rank() == 0:  # each row as it comes: a config failing later costs none of these

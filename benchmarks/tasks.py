@@ -1,5 +1,6 @@
-"""What benchmarks/spatial_step.py trains: a timm classifier on (B, 3, H, W) images, or a PETR detector on
-(B, N, 3, H, W) surround cameras (``--model petr`` paper-sized with ConvNeXt-B, ``petr_tiny``; ``--cameras``).
+"""What benchmarks/spatial_step.py trains: a timm classifier on (B, 3, H, W) images, or a BEV detector on
+(B, N, 3, H, W) surround cameras (``--model petr``, ``lift_splat``, ``simple_bev``: the modules' defaults, paper-sized
+with ConvNeXt-B; ``petr_tiny`` etc.: their ``tiny()``; ``--cameras``).
 
 A task builds the model, turns this rank's image block into the model's input (sharded images plus the
 replicated calibration and boxes a detector needs) and computes a loss. For a classifier the natural baseline
@@ -34,13 +35,15 @@ class ImageTask:
         return model(x).float().square().mean()
 
 
-class PETRTask:
+class DetectorTask:
     baseline = "one device"
 
     def __init__(self, args):
-        from lightning_spatial.models.bev import PETR
+        from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
 
-        self.make = PETR.tiny if args.model == "petr_tiny" else PETR
+        name, tiny = args.model.removesuffix("_tiny"), args.model.endswith("_tiny")
+        module = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV}[name]
+        self.make = module.tiny if tiny else module
         self.batch, self.cameras = args.batch, args.cameras
 
     def image_shape(self, height: int, width: int) -> tuple[int, ...]:
@@ -70,8 +73,11 @@ class PETRTask:
         return getattr(model, "module", model).loss(model(x), x)["loss"]
 
 
+DETECTORS = ("petr", "lift_splat", "simple_bev")
+
+
 def task(args):
-    return PETRTask(args) if args.model.startswith("petr") else ImageTask(args)
+    return DetectorTask(args) if args.model.removesuffix("_tiny") in DETECTORS else ImageTask(args)
 
 
-__all__ = ["ImageTask", "PETRTask", "task"]
+__all__ = ["DETECTORS", "DetectorTask", "ImageTask", "task"]

@@ -91,6 +91,33 @@ def test_petr_benchmark_smoke_on_cpu(tmp_path):
     assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows) and rows[1]["halo_mib_per_step"] > 0
 
 
+@pytest.mark.parametrize("model", ["lift_splat_tiny", "simple_bev_tiny"])
+def test_bev_plane_benchmark_smoke_on_cpu(tmp_path, model):
+    """The splat detectors with their BEV grid sharded (``--bev-shard x``): one device, then one rank of 2."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "spatial_step.py"), "--device", "cpu", "--model", model]
+    cmd += [
+        "--cameras",
+        "2",
+        "--batch",
+        "1",
+        "--height",
+        "64",
+        "--widths",
+        "176",
+        "--spatial",
+        "1,2",
+        "--bev-shard",
+        "x",
+    ]
+    done = subprocess.run(
+        [*cmd, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert [(r["spatial"], r["bev_shard"]) for r in rows] == [(1, "x"), (2, "x")] and "bev=x" in done.stdout
+    assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows)
+
+
 def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
     """``--fake-world``: one process plays rank 1 of a 3-rank width split through the Trainer (the fake backend), and
     ``--baseline shard`` runs the plain model alone on that rank's 32 of 96 columns first; no timing is asserted."""
