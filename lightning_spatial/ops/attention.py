@@ -11,8 +11,11 @@ transformer layers reach it through torch's own ``multi_head_attention_forward``
   kernel backward with the *global* ``O`` and ``lse``: dk/dv are local, dq is this rank's share of the
   query gradient (the split convention: DDP sums the shares).
 - **sharded queries, replicated keys**: local.
-- **both sharded** (self-attention over camera tokens): keys and values are all-gathered, so every rank holds
-  all of K/V (and the adjoint reduce-scatters their gradients), then it is the local case.
+- **both sharded**: whichever is smaller is all-gathered. Fewer queries than keys and values (BEV queries over
+  camera tokens, without a mask, causality or dropout): the queries, then it is the replicated-queries case above,
+  each rank keeping its own queries' rows of the merged result. Otherwise (self-attention over camera tokens):
+  keys and values, so every rank holds all of K/V (and the adjoint reduce-scatters their gradients), then it is
+  the local case.
 
 Dropout, a float mask that needs a gradient, empty attention (no query rows), or a device or dtype without a fused
 kernel take torch's math
@@ -48,6 +51,9 @@ def scaled_dot_product_attention(
     lq, lk, lv = (unwrap(t)[1] for t in (query, key, value))
     if lk != lv or not (_along(lq, -2) and _along(lk, -2)) or lq is lk is None:
         return fallback(F.scaled_dot_product_attention, args, kwargs)
+    if lq is not None and lk is not None and attn_mask is None and not is_causal and dropout_p == 0:
+        if query.numel() < key.numel() + value.numel():  # fewer queries than keys: gather the queries instead
+            return _queries_gathered(query, key, value, lq, scale, enable_gqa)
     if lq is not None and lk is not None:  # every query needs every key: gather K/V, keep 1/S of the queries
         key, value, lk = gather(key), gather(value), None
         if isinstance(attn_mask, SpatialTensor) and any(s.dim == -1 for s in attn_mask.shard_layout.shards):
@@ -71,6 +77,15 @@ def scaled_dot_product_attention(
     if not _fused(q, k, v, bias):
         return _math(query, key, value, attn_mask, dropout_p, scale)
     return _ShardedKeys.apply(q, k, v, bias, blind, scale, lk.shards)
+
+
+def _queries_gathered(query, key, value, lq: Layout, scale, enable_gqa: bool) -> torch.Tensor:
+    """Both sharded, the queries the smaller (BEV queries over camera tokens): every rank attends with all queries to
+    its own keys, the per-rank results merge by their log-sum-exp (the replicated-queries case), and each rank keeps
+    its own queries' rows. No rank holds all keys; the query gradient's shares meet at their owners (all-gather's
+    adjoint)."""
+    out = scaled_dot_product_attention(gather(query), key, value, scale=scale, enable_gqa=enable_gqa)
+    return wrap(lq.take_local(out), lq)
 
 
 def _local_mask(mask, target: Layout | None) -> torch.Tensor | None:

@@ -55,6 +55,12 @@ def _padding(layout):
 
 SDPA = {
     "sdpa": (lambda lay: [_q(), _maps(lay)], lambda q, m: F.scaled_dot_product_attention(q, *kv(m)), [1]),
+    # queries from a smaller map, sharded like the keys (BEV queries over camera tokens): the queries are gathered
+    "sdpa_fewer_sharded_queries": (
+        lambda lay: [torch.randn(B, C, 3, _w(lay)), _maps(lay)],
+        lambda qm, m: F.scaled_dot_product_attention(heads(tokens(qm)), *kv(m)),
+        [0, 1],
+    ),
     "sdpa_sharded_bool_mask": (
         lambda lay: [_q(), _maps(lay), _padding(lay)],
         lambda q, m, keep: F.scaled_dot_product_attention(q, *kv(m), attn_mask=keep.flatten(1)[:, None, None]),
