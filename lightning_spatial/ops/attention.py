@@ -11,8 +11,8 @@ transformer layers reach it through torch's own ``multi_head_attention_forward``
   kernel backward with the *global* ``O`` and ``lse``: dk/dv are local, dq is this rank's share of the
   query gradient (the split convention: DDP sums the shares).
 - **sharded queries, replicated keys**: local.
-- **both sharded**: whichever is smaller is all-gathered. Fewer queries than keys and values (BEV queries over
-  camera tokens, without a mask, causality or dropout): the queries, then it is the replicated-queries case above,
+- **both sharded**: fewer queries than keys (BEV queries over camera tokens, without a mask, causality or
+  dropout): the queries are all-gathered, then it is the replicated-queries case above,
   each rank keeping its own queries' rows of the merged result. Otherwise (self-attention over camera tokens):
   keys and values, so every rank holds all of K/V (and the adjoint reduce-scatters their gradients), then it is
   the local case.
@@ -52,7 +52,7 @@ def scaled_dot_product_attention(
     if lk != lv or not (_along(lq, -2) and _along(lk, -2)) or lq is lk is None:
         return fallback(F.scaled_dot_product_attention, args, kwargs)
     if lq is not None and lk is not None and attn_mask is None and not is_causal and dropout_p == 0:
-        if query.numel() < key.numel() + value.numel():  # fewer queries than keys: gather the queries instead
+        if query.shape[-2] < key.shape[-2]:  # fewer queries than keys: gather the queries instead
             return _queries_gathered(query, key, value, lq, scale, enable_gqa)
     if lq is not None and lk is not None:  # every query needs every key: gather K/V, keep 1/S of the queries
         key, value, lk = gather(key), gather(value), None
