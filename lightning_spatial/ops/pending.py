@@ -1,15 +1,16 @@
 """Sums not yet reduced: a splat into a BEV grid ends sharded over the grid's cells instead of replicated.
 
 A scatter of sharded sources (``index_add``, ``scatter_add``, ``index_put(accumulate=True)``) and a
-``grid_sample`` of a sharded image leave every rank with a *partial* sum of the whole destination; today one
-all-reduce makes it whole on every rank. With ``Run.bev_shard`` set (``SpatialParallelStrategy(bev_shard=...)``)
+``grid_sample`` of a sharded image leave every rank with a *partial* sum of the whole destination, which one
+all-reduce makes whole on every rank. With ``Run.bev_shard`` set (``SpatialParallelStrategy(bev_shard=...)``)
 the partial sum travels on as a ``PendingSum`` through the views that rearrange it (``view``, ``reshape``,
 ``permute``, ...), and the first other op reduces it: a tensor of at least 4 dims whose last two are a BEV plane
 ``(..., X, Y)`` is reduce-scattered along X, Y or both (2-D tiles), so each rank receives the sums of its own cells
 only; anything smaller (a histogram, a flat ``(cells, C)`` table read as such) is all-reduced as before. The
 adjoint of the reduce-scatter is an all-gather: every rank's partial takes the whole gradient.
 
-The destination's own values (``dest + sums``) enter once, after the reduction (``base``), as they do today.
+The destination's own values (``dest + sums``) enter once, after the reduction, as they do without the option. A
+pending sum read twice is reduced once.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class PendingSum(SpatialTensor):
 
     _axes: tuple[Axis, ...]
     _addend: torch.Tensor | None
+    _reduced: torch.Tensor | None
 
     def settled(self) -> torch.Tensor:
         return resolve(self)
@@ -102,17 +104,23 @@ def pending(partial: torch.Tensor, axes: Sequence, base: torch.Tensor | None = N
         return total if base is None else base + total
     with _Plain():
         out = partial.as_subclass(PendingSum)
-    out._axes, out._addend, out._layout = axes, base, Layout(())
+    out._axes, out._addend, out._reduced, out._layout = axes, base, None, Layout(())
     return out
 
 
 def resolve(p: PendingSum) -> torch.Tensor:
-    """The pending sum reduced: sharded over its last two dims by ``Run.bev_shard`` if it is a BEV plane, else
-    replicated."""
+    """The pending sum reduced (once): sharded over its last two dims by ``Run.bev_shard`` if it is a BEV plane,
+    else replicated."""
+    if p._reduced is None:
+        p._reduced = _reduce(p)
+    return p._reduced
+
+
+def _reduce(p: PendingSum) -> torch.Tensor:
     with _Plain():
         partial = p.as_subclass(torch.Tensor)
     axes, base, mode = p._axes, p._addend, current().bev_shard
-    dims = {"x": (-2,), "y": (-1,), "xy": (-2, -1)}[mode] if partial.dim() >= 4 else ()
+    dims = {"x": (-2,), "y": (-1,), "xy": (-2, -1)}.get(mode, ()) if partial.dim() >= 4 else ()
     plane = list(zip(dims, axes))  # (dim, axis) pairs; axes beyond them are all-reduced
     for dim, axis in plane:
         if partial.shape[dim] < axis.size:

@@ -7,10 +7,13 @@ raises before any message."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import lightning_spatial.ops.pending as pending_module
 from lightning_spatial import LayoutError, SpatialTensor, shard
 from lightning_spatial.run import Run, entered
 from tests.oracle import check
@@ -140,6 +143,26 @@ def _inplace_case():
         with pytest.raises(LayoutError, match=r"add_ writes into a BEV grid"):
             bev += 1.0
         assert isinstance(bev + 1.0, SpatialTensor)  # as a new tensor it is reduced, sharded
+        again = F.grid_sample(feats, grid, align_corners=False)
+        with counting_reductions() as count:
+            again * 2.0, again.relu()
+        assert count == [1]  # a pending sum read twice is reduced once
+
+
+@contextmanager
+def counting_reductions():
+    """How many times pending sums are reduced in the block."""
+    count, reduce = [0], pending_module._reduce
+
+    def counted(p):
+        count[0] += 1
+        return reduce(p)
+
+    pending_module._reduce = counted
+    try:
+        yield count
+    finally:
+        pending_module._reduce = reduce
 
 
 def test_an_inplace_write_into_pending_sums_raises():
