@@ -188,6 +188,15 @@ def free(device) -> None:
 
 
 def run_config(args, device, width: int, s: int, layout: str, precision: str, ckpt: bool, real: bool) -> dict:
+    """One configuration's row, in a run of the op layer of its own: one rank of a fake group receives zeros where
+    halos would arrive (uninitialised memory could hold NaNs, which a detector's Hungarian matching refuses), and
+    ``--bev-shard`` says where a BEV detector's grid ends."""
+    bev_shard = None if args.bev_shard == "none" else args.bev_shard
+    with entered(Run(zero_undelivered=not real, bev_shard=bev_shard)):
+        return _run_config(args, device, width, s, layout, precision, ckpt, real)
+
+
+def _run_config(args, device, width: int, s: int, layout: str, precision: str, ckpt: bool, real: bool) -> dict:
     task = tasks.task(args)
     sh, sw = tiles(layout, s)
     rank = dist.get_rank() if real else min(1, s - 1)  # fake: an interior rank (halos on both sides)
@@ -461,11 +470,7 @@ def main() -> None:
     for precision, width, s, layout, ckpt in grid:
         if (real and dist.get_world_size() % s) or math.prod(tiles(layout, s)) != s:
             continue
-        # one rank of a fake group: halos go to the fake backend, which delivers nothing; they read as zeros
-        # (uninitialised memory could hold NaNs, which a detector's Hungarian matching refuses)
-        bev_shard = None if args.bev_shard == "none" else args.bev_shard
-        with entered(Run(zero_undelivered=not real, bev_shard=bev_shard)):
-            row = run_config(args, device, int(width), s, layout, precision, ckpt, real)
+        row = run_config(args, device, int(width), s, layout, precision, ckpt, real)
         rows.append(row)
         if not real or dist.get_rank() == 0:  # each row as it comes: a config failing later costs none of these
             print(json.dumps(row), flush=True)
