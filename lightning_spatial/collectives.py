@@ -225,7 +225,7 @@ class _ReduceScatter(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         # every rank's partial sum enters every row of the result: each takes the whole gradient
-        return _gathered(grad.contiguous(), ctx.dim, ctx.group, ctx.bounds), None, None, None
+        return _gathered(grad, ctx.dim, ctx.group, ctx.bounds), None, None, None
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis, inner: int = 1) -> torch.Tensor:

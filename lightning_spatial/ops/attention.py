@@ -51,11 +51,10 @@ def scaled_dot_product_attention(
     lq, lk, lv = (unwrap(t)[1] for t in (query, key, value))
     if lk != lv or not (_along(lq, -2) and _along(lk, -2)) or lq is lk is None:
         return fallback(F.scaled_dot_product_attention, args, kwargs)
-    if lq is not None and lk is not None and attn_mask is None and not is_causal and dropout_p == 0:
-        if query.shape[-2] < key.shape[-2]:  # fewer queries than keys: gather the queries instead
-            return _queries_gathered(query, key, value, lq, scale, enable_gqa)
-    if lq is not None and lk is not None:  # every query needs every key: gather K/V, keep 1/S of the queries
-        key, value, lk = gather(key), gather(value), None
+    if lq is not None and lk is not None:  # every query needs every key
+        if attn_mask is None and not is_causal and dropout_p == 0 and query.shape[-2] < key.shape[-2]:
+            return _queries_gathered(query, key, value, lq, scale, enable_gqa)  # fewer queries: gather those
+        key, value, lk = gather(key), gather(value), None  # gather K/V, keep 1/S of the queries
         if isinstance(attn_mask, SpatialTensor) and any(s.dim == -1 for s in attn_mask.shard_layout.shards):
             attn_mask = gather(attn_mask)
     if is_causal:

@@ -119,27 +119,29 @@ def resolve(p: PendingSum) -> torch.Tensor:
 def _reduce(p: PendingSum) -> torch.Tensor:
     with _Plain():
         partial = p.as_subclass(torch.Tensor)
-    axes, base, mode = p._axes, p._addend, current().bev_shard
+    mode = current().bev_shard
     dims = {"x": (-2,), "y": (-1,), "xy": (-2, -1)}.get(mode, ()) if partial.dim() >= 4 else ()
-    plane = list(zip(dims, axes))  # (dim, axis) pairs; axes beyond them are all-reduced
-    for dim, axis in plane:
+    for dim, axis in zip(dims, p._axes):
         if partial.shape[dim] < axis.size:
             raise LayoutError(
                 f"the BEV grid {tuple(partial.shape)} has {partial.shape[dim]} cells along dim {dim}, fewer than its "
                 f"{axis.size} ranks (bev_shard={mode!r}): use a finer grid, fewer spatial ranks, or "
                 "bev_shard=None (a replicated grid)"
             )
-    total = across(partial, [a for a in axes if a not in {axis for _, axis in plane}])
-    if not plane:
-        return total if base is None else base + total
-    shards = []
-    for dim, axis in plane:
-        shards.append(DimShard(dim, axis, total.shape[dim]))
-        total = reduce_scatter(total, total.dim() + dim, axis)
-    layout = Layout(tuple(shards))
-    if base is not None:
-        total = total + layout.take_local(base)
-    return wrap(total, layout)
+    # one axis per plane dim; axes beyond them are all-reduced
+    total = reduced_into(partial, p._axes, [DimShard(d, a, partial.shape[d]) for d, a in zip(dims, p._axes)])
+    return total if p._addend is None else total + p._addend  # a replicated addend is cut to this rank's cells
 
 
-__all__ = ["PendingSum", "pending", "resolve"]
+def reduced_into(partial: torch.Tensor, axes: Sequence[Axis], shards: Sequence[DimShard]) -> torch.Tensor:
+    """The sum over ``axes`` of every rank's ``partial`` (the global shape), laid out as ``shards`` (each over one
+    of ``axes``): a reduce-scatter along each shard's dim, the axes no shard takes all-reduced first. No shards:
+    replicated."""
+    taken = {s.axis.ranks for s in shards}
+    total = across(partial, [a for a in axes if a.ranks not in taken])
+    for s in shards:
+        total = reduce_scatter(total, total.dim() + s.dim, s.axis, s.inner)
+    return wrap(total, Layout(tuple(shards)) if shards else None)
+
+
+__all__ = ["PendingSum", "pending", "reduced_into", "resolve"]

@@ -10,7 +10,8 @@ exact locally and the grid gradient is a split over the group (``collectives``).
 The output is replicated, or sharded over its cells with ``bev_shard`` (``ops.pending``). A grid sharded along
 its point dims (BEV queries, over the input's ranks) is all-gathered (points are small), every rank samples all
 points in its own shard, and a reduce-scatter hands each point's sums to the rank that holds the point: the output
-is sharded like the grid. A grid sharded otherwise takes the exact gather fallback, with its warning.
+is sharded like the grid. A grid sharded otherwise (its batch, or over other ranks) takes the exact gather
+fallback, with its warning.
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ from functools import reduce
 import torch
 import torch.nn.functional as F
 
-from ..collectives import across, reduce_scatter
 from ..fallback import fallback
 from ..layout import Layout
-from ..tensor import gather, unwrap, wrap
+from ..tensor import gather, unwrap
 from ._common import eager_backward, spatial_shards
-from .pending import pending
+from .pending import pending, reduced_into
 
 _MODES = ("bilinear", "nearest", "bicubic")  # torch's enum order (torch.grid_sampler's interpolation_mode)
 _PADDINGS = ("zeros", "border", "reflection")
@@ -79,7 +79,7 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
     _check(input, grid, mode, dims)
     x, layout = unwrap(input)
     points = unwrap(grid)[1]
-    if layout is None or (points is not None and not _by_points(points, grid.dim())):
+    if layout is None or (points is not None and not _by_points(points, layout, grid.dim())):
         kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
         return fallback(F.grid_sample, (input, grid), kwargs)
     whole = gather(grid)  # a sharded grid: every rank samples every point in its own part of the input
@@ -90,31 +90,20 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
     return _to_point_owners(out, layout, points)
 
 
-def _by_points(points: Layout, ndim: int) -> bool:
-    """A grid sharded along its point dims (not the batch, not the coordinates), each a plain dim or a token dim
-    whose outer factor is the sharded one (flattened BEV queries)."""
-    return all(-ndim < s.dim < -1 and s.outer == 1 and not s.segments for s in points.shards) and all(
-        len(points.on(d)) == 1 for d in points.dims
+def _by_points(points: Layout, layout: Layout, ndim: int) -> bool:
+    """A grid sharded along its point dims (not the batch, not the coordinates) over axes the input is sharded
+    over, each a plain dim or a token dim whose outer factor is the sharded one (flattened BEV queries)."""
+    return (
+        all(-ndim < s.dim < -1 and s.outer == 1 and not s.segments for s in points.shards)
+        and all(len(points.on(d)) == 1 for d in points.dims)
+        and {s.axis.ranks for s in points.shards} <= {s.axis.ranks for s in layout.shards}
     )
 
 
 def _to_point_owners(out: torch.Tensor, layout: Layout, points: Layout) -> torch.Tensor:
-    """Every rank's partial sums for all points -> each point's sums on the rank that holds it (the grid's layout,
-    one dim later: the output has channels where the grid has coordinates). Along an axis the input is sharded over,
-    a reduce-scatter; along another, this rank's points are complete already; an input axis the grid is not sharded
-    over is all-reduced."""
-    mine = {s.axis.ranks for s in points.shards}
-    out = across(out, [s for s in layout.shards if s.axis.ranks not in mine])
-    partial = {s.axis.ranks for s in layout.shards}
-    shards = []
-    for s in points.shards:
-        dim = out.dim() + s.dim + 1
-        if s.axis.ranks in partial:
-            out = reduce_scatter(out, dim, s.axis, s.inner)
-        else:
-            out = out.narrow(dim, s.start * s.inner, (s.stop - s.start) * s.inner)
-        shards.append(replace(s, dim=s.dim + 1))
-    return wrap(out, Layout(tuple(shards)))
+    """Every rank's partial sums for all points -> each point's sums on the rank that holds it: the grid's layout,
+    one dim later (the output has channels where the grid has coordinates)."""
+    return reduced_into(out, [s.axis for s in layout.shards], [replace(s, dim=s.dim + 1) for s in points.shards])
 
 
 def _shard_taps(x, layout, grid, mode: str, padding: str, align: bool):

@@ -72,6 +72,12 @@ def test_splat_then_encoder_matches_one_process(layout, kind, dtype, then):
     run_spmd(_bev_case, LAYOUTS[layout][0], layout, kind, dtype, MODES[layout], then)
 
 
+@pytest.mark.parametrize("kind", SPLATS)
+def test_one_plane_dim_on_a_2d_group(kind):
+    """``"x"`` on 2x2 tiles: the sums are all-reduced over the second axis, reduce-scattered along X over the first."""
+    run_spmd(_bev_case, 4, "2x2", kind, torch.float64, "x", "loss")
+
+
 def _small_case():
     """A sum that is no BEV plane (fewer than 4 dims) is replicated, exactly as without ``bev_shard``."""
     torch.manual_seed(0)

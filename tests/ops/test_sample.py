@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import tests.oracle as oracle
 from lightning_spatial import LayoutError, SpatialTensor, shard
+from lightning_spatial.run import Run, entered
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
@@ -236,3 +237,15 @@ def _grid_by_points_case(layout: str, dtype: torch.dtype, tokens: bool):
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_a_grid_sharded_by_points(layout, dtype, tokens):
     run_spmd(_grid_by_points_case, LAYOUTS[layout][0], layout, dtype, tokens)
+
+
+def _grid_over_other_ranks_case():
+    ax = axes("2x2")
+    image = shard(torch.randn(2, 3, 6, 10), {-1: ax[-1]})  # sharded over the w ranks only
+    grid = shard(torch.rand(2, 5, 4, 2) * 2 - 1, {-3: ax[-2]})  # its points over the h ranks
+    with entered(Run(fallback="error")), pytest.raises(LayoutError, match="grid_sample"):
+        F.grid_sample(image, grid, align_corners=False)
+
+
+def test_a_grid_sharded_over_other_ranks_than_the_image_takes_the_fallback():
+    run_spmd(_grid_over_other_ranks_case, 4)
