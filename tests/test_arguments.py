@@ -8,7 +8,7 @@ import torch
 
 from lightning_spatial.data import ImageFolderData, NuScenes, SurroundScenes, SurroundSynthetic, SyntheticScenes
 from lightning_spatial.models import ImageTask
-from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
+from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 
 CASES = [  # (module, arguments, message); test ids: position-argument
     (PETR.tiny, dict(num_classes=0), r"num_classes must be an integer >= 1, got 0"),
@@ -29,6 +29,11 @@ CASES = [  # (module, arguments, message); test ids: position-argument
     (SimpleBEV.tiny, dict(bev_layers=0), r"bev_layers must be an integer >= 1, got 0"),
     (SimpleBEV.tiny, dict(point_cloud_range=[-50, -50, -5, 50, -60, 3]), r"point_cloud_range must be .* y0 < y1"),
     (SimpleBEV.tiny, dict(warmup_steps=-1), r"warmup_steps must be an integer >= 0, got -1"),
+    (BEVFormer.tiny, dict(encoder_layers=0), r"encoder_layers must be an integer >= 1, got 0"),
+    (BEVFormer.tiny, dict(z_anchors=0), r"z_anchors must be an integer >= 1, got 0"),
+    (BEVFormer.tiny, dict(num_cameras=0), r"num_cameras must be an integer >= 1, got 0"),
+    (BEVFormer.tiny, dict(bev_size=(8,)), r"bev_size must be 2 integers >= 1, got \(8,\)"),
+    (BEVFormer.tiny, dict(num_heads=3), r"embed_dims=32 must be a multiple of 4 .* and of num_heads=3"),
     (ImageTask, dict(num_classes=0), r"num_classes must be an integer >= 1, got 0"),
     (ImageTask, dict(lr=-1e-3), r"lr must be a number > 0, got -0.001"),
     (SyntheticScenes, dict(height=-64), r"height must be an integer >= 1, got -64"),

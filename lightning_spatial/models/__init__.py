@@ -1,6 +1,6 @@
 """LightningModules for the recipes (plain modules: nothing in them knows about sharding)."""
 
-from .bev import PETR, LiftSplat, SimpleBEV
+from .bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 from .image import ImageTask
 
-__all__ = ["ImageTask", "LiftSplat", "PETR", "SimpleBEV"]
+__all__ = ["BEVFormer", "ImageTask", "LiftSplat", "PETR", "SimpleBEV"]

@@ -140,7 +140,11 @@ def reduced_into(partial: torch.Tensor, axes: Sequence[Axis], shards: Sequence[D
     taken = {s.axis.ranks for s in shards}
     total = across(partial, [a for a in axes if a.ranks not in taken])
     for s in shards:
-        total = reduce_scatter(total, total.dim() + s.dim, s.axis, s.inner)
+        dim = total.dim() + s.dim
+        if s.outer > 1:  # a token dim whose sharded factor has others outside it: scatter within each outer row
+            total = reduce_scatter(total.unflatten(dim, (s.outer, -1)), dim + 1, s.axis, s.inner).flatten(dim, dim + 1)
+        else:
+            total = reduce_scatter(total, dim, s.axis, s.inner)
     return wrap(total, Layout(tuple(shards)) if shards else None)
 
 

@@ -92,9 +92,10 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
 
 def _by_points(points: Layout, layout: Layout, ndim: int) -> bool:
     """A grid sharded along its point dims (not the batch, not the coordinates) over axes the input is sharded
-    over, each a plain dim or a token dim whose outer factor is the sharded one (flattened BEV queries)."""
+    over, each a plain dim or a token dim with one sharded factor (flattened BEV queries; the points of every query
+    of a map stacked as rows)."""
     return (
-        all(-ndim < s.dim < -1 and s.outer == 1 and not s.segments for s in points.shards)
+        all(-ndim < s.dim < -1 and not s.segments for s in points.shards)
         and all(len(points.on(d)) == 1 for d in points.dims)
         and {s.axis.ranks for s in points.shards} <= {s.axis.ranks for s in layout.shards}
     )

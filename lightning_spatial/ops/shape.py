@@ -173,14 +173,18 @@ def _join(func):
 def token_sets(tensors, dim: int) -> Layout | None:
     """The layout of ``torch.cat(tensors, dim)`` along a sharded token dim, each operand a token set (a level of a
     feature pyramid, a camera) sharded over the same axes and alike on every other dim: the result holds their
-    segments one after another (``Layout.segments``), each rank its own tokens of each; ``None`` otherwise."""
+    segments one after another (``Layout.segments``), each rank its own tokens of each; ``None`` otherwise. A set
+    may be a plain sharded dim (a coarse level one row high) beside merged ones, not all of them (a cat of maps
+    along their sharded width is no token set)."""
     if len(tensors) < 2 or not all(isinstance(t, SpatialTensor) for t in tensors):
+        return None
+    if not any(s.merged for t in tensors for s in t._layout.on(dim)):
         return None
     rest = tuple(s for s in tensors[0]._layout.shards if s.dim != dim)
     segments: dict = {}  # axis -> its factor's (outer, size, inner) per segment
     for t in tensors:
         on = t._layout.on(dim)
-        if not on or not all(s.merged for s in on) or tuple(x for x in t._layout.shards if x.dim != dim) != rest:
+        if not on or tuple(x for x in t._layout.shards if x.dim != dim) != rest:
             return None
         if segments and {s.axis for s in on} != segments.keys():
             return None

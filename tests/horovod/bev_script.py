@@ -1,4 +1,5 @@
-"""Run under horovodrun by tests/horovod/test_horovod.py: the tiny PETR, data parallel on Horovod, float64."""
+"""Run under horovodrun by tests/horovod/test_horovod.py: a tiny BEV detector (``--model``: petr, bevformer), data
+parallel on Horovod, float64."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ from tests.models.test_bev_training import train  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--model", default="petr")
     args = p.parse_args()
     torch.set_num_threads(1)
     import lightning_spatial
 
     replica = (int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"]))  # set by horovodrun
-    model = train("petr", lightning_spatial.HorovodStrategy(), 1, replica)
+    model = train(args.model, lightning_spatial.HorovodStrategy(), 1, replica)
     if model.trainer.global_rank == 0:
-        torch.save(model.state_dict(), Path(args.out) / "petr.pt")
+        torch.save(model.state_dict(), Path(args.out) / f"{args.model}.pt")
 
 
 if __name__ == "__main__":

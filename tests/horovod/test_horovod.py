@@ -175,15 +175,16 @@ def test_gradient_buckets_compress_to_fp16(tmp_path):
 
 @pytest.mark.slow
 @needs_horovod
-def test_horovod_trains_petr_to_the_single_device_weights(tmp_path):
+@pytest.mark.parametrize("model", ["petr", "bevformer"])
+def test_horovod_trains_a_detector_to_the_single_device_weights(tmp_path, model):
     """Two Horovod ranks with 1 sample each reach the weights of one device with both samples (float64): the
     box count normalising the losses is averaged over the replicas, as DETR does."""
     from tests.models.test_bev_training import train as train_bev
 
-    horovodrun(SCRIPT.with_name("bev_script.py"), "--out", str(tmp_path))
-    reference = train_bev("petr", "auto", 1)
+    horovodrun(SCRIPT.with_name("bev_script.py"), "--out", str(tmp_path), "--model", model)
+    reference = train_bev(model, "auto", 1)
     ours = type(reference).tiny().double()  # float64 on both sides: no rounding on the way
-    ours.load_state_dict(torch.load(tmp_path / "petr.pt"))
+    ours.load_state_dict(torch.load(tmp_path / f"{model}.pt"))
     assert_same_weights(ours, reference, tolerance=1e-10)
 
 

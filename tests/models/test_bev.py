@@ -1,4 +1,4 @@
-"""The three BEV detectors on one CPU: geometry against a rig built in the test, head targets decoded back to
+"""The four BEV detectors on one CPU: geometry against a rig built in the test, head targets decoded back to
 their boxes, a training step, overfitting one tiny batch, empty scenes, bad input, the Lightning loop."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torchmetrics
 import torchvision
 
 from lightning_spatial import SpatialParallelStrategy
-from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
+from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 from lightning_spatial.models.bev import boxes as box_code
 from lightning_spatial.models.bev.backbone import ImageEncoder
 from lightning_spatial.models.bev.center_head import CenterHead
@@ -27,12 +27,15 @@ MODELS = {
     "petrv2": lambda: PETR.tiny(temporal=True, feature_guided_pe=True),
     "lift_splat": lambda: LiftSplat.tiny(),
     "simple_bev": lambda: SimpleBEV.tiny(),
+    "bevformer": lambda: BEVFormer.tiny(num_cameras=6),
+    "bevformer_temporal": lambda: BEVFormer.tiny(num_cameras=6, temporal=True),
 }
+TEMPORAL = ("petrv2", "bevformer_temporal")
 
 
 def _model_and_batch(name, **batch_kwargs):
     torch.manual_seed(0)
-    return MODELS[name](), surround_batch(temporal=name == "petrv2", **batch_kwargs)
+    return MODELS[name](), surround_batch(temporal=name in TEMPORAL, **batch_kwargs)
 
 
 def _terms(losses):
@@ -305,8 +308,8 @@ def test_training_step_reaches_every_parameter(name):
     model.encoder.backbone.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
     losses = model.loss(model(batch), batch)
     losses["loss"].backward()
-    frames = 2 if name == "petrv2" else 1
-    assert seen == [(2 * 6 * frames, 3, 32, 88)]
+    frames = 2 if name in TEMPORAL else 1
+    assert seen == [(2 * 6, 3, 32, 88)] * frames if name.startswith("bevformer") else [(2 * 6 * frames, 3, 32, 88)]
     assert torch.isfinite(losses["loss"]) and all(t > 0 for t in _terms(losses))
     assert not [n for n, p in model.named_parameters() if p.grad is None]
     # (PETR's first self-attention acts on the all-zero initial queries, so some of its gradients are zero.)
@@ -439,7 +442,7 @@ def test_a_bad_batch_fails_before_any_optimizer_step_naming_the_field_and_sample
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-@pytest.mark.parametrize("detector", [PETR, LiftSplat, SimpleBEV], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("detector", [PETR, LiftSplat, SimpleBEV, BEVFormer], ids=lambda c: c.__name__)
 def test_every_detector_checks_labels_against_its_own_classes_and_accepts_unknown_velocities(detector):
     model, batch = detector.tiny(num_classes=3), surround_batch(batch=2, cameras=2, classes=3)
     unknown = _box(_box(batch, 1, 2, 7, NAN), 1, 2, 8, NAN)  # the devkit's velocity of a lone annotation
@@ -478,6 +481,52 @@ def test_petrv2_needs_and_uses_the_previous_frame():
     moved = {**batch, "prev_lidar2img": batch["lidar2img"]}  # same images, no ego motion
     assert not torch.allclose(model(moved)["logits"], logits)
     assert not torch.allclose(model({**batch, "prev_images": -batch["prev_images"]})["logits"], logits)
+
+
+def test_bevformer_needs_and_uses_the_previous_frame_and_its_camera_count():
+    model, batch = _model_and_batch("bevformer_temporal", batch=1, cameras=6)
+    with pytest.raises(ValueError, match="prev_images"):
+        model({k: v for k, v in batch.items() if k != "prev_images"})
+    logits = model(batch)["logits"]
+    assert not torch.allclose(model({**batch, "prev_images": -batch["prev_images"]})["logits"], logits)
+    assert not torch.allclose(model({**batch, "prev_lidar2img": batch["lidar2img"]})["logits"], logits)
+    with pytest.raises(ValueError, match=r"images hold 2 cameras but the model's camera embedding has num_cameras=6"):
+        model(surround_batch(batch=1, cameras=2, temporal=True))
+
+
+def test_deformable_sampling_at_cell_centres_reads_the_cells():
+    """A sampling location at a value cell's centre reads that cell; the weights mix the points and levels."""
+    from lightning_spatial.models.bev.deformable import deformable_sample
+
+    g = torch.Generator().manual_seed(0)
+    maps = [torch.randn(2, 3, 4, 6, generator=g, dtype=torch.float64), torch.randn(2, 3, 2, 3, generator=g).double()]
+    rows, cols = torch.randint(0, 2, (2, 5, 7), generator=g), torch.randint(0, 3, (2, 5, 7), generator=g)
+    locations = torch.zeros(2, 2, 2, 5, 7, 2, dtype=torch.float64)  # (B', L, P, X, Y, 2)
+    for level, value in enumerate(maps):
+        h, w = value.shape[-2:]
+        locations[:, level, ..., 0] = (cols[:, None].double() + 0.5) / w  # point 0 and point 1 at the same cell
+        locations[:, level, ..., 1] = (rows[:, None].double() + 0.5) / h
+    weights = torch.rand(2, 2, 2, 5, 7, generator=g, dtype=torch.float64)
+    expected = sum(
+        value[torch.arange(2)[:, None, None, None], torch.arange(3)[None, :, None, None], rows[:, None], cols[:, None]]
+        * weights[:, level].sum(1)[:, None]  # both points read the same cell
+        for level, value in enumerate(maps)
+    )
+    torch.testing.assert_close(deformable_sample(maps, locations, weights), expected)
+
+
+def test_bevformer_pillars_are_the_projected_cell_centres_and_hit_where_a_camera_sees_them():
+    model = BEVFormer.tiny(num_cameras=6)
+    _, _, lidar2img = rig(6, 32, 88)
+    reference, hit = model.pillars(lidar2img[None], (32, 88))
+    assert reference.shape == (1, 6, 8, 8, 4, 2) and hit.shape == (1, 6, 8, 8)
+    r = model.grid.point_cloud_range
+    i, j, k = 6, 3, 1  # a cell ahead of camera 0 (x forward), at the second of four heights
+    cx, cy = model.grid.centres()[i, j].tolist()
+    point = torch.tensor([[cx, cy, r[2] + 1.5 * (r[5] - r[2]) / 4]])
+    grid, valid = project(point, lidar2img[None], (32, 88))
+    torch.testing.assert_close(reference[0, :, i, j, k], (grid[0, :, 0] + 1) / 2)
+    assert valid[0, 0, 0] == 1 and hit[0, 0, i, j] == 1 and hit[0, 3, i, j] == 0  # camera 3 looks backwards
 
 
 # --- query denoising -----------------------------------------------------------------------------------
@@ -638,10 +687,10 @@ def test_validation_hands_the_metric_attributes_and_ignore_regions():
         assert all(torch.equal(target[key], batch[key][i]) for key in target)
 
 
-@pytest.mark.parametrize("name", ["petr", "lift_splat", "simple_bev"])
+@pytest.mark.parametrize("name", ["petr", "lift_splat", "simple_bev", "bevformer"])
 def test_warmup_ramps_the_learning_rate_per_step(name):
     """Every parameter's rate ramps; the image backbone's is lr x backbone_lr_mult."""
-    model = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV}[name].tiny(
+    model = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV, "bevformer": BEVFormer}[name].tiny(
         warmup_steps=4, lr=1e-3, backbone_lr_mult=0.1
     )
     batches = [surround_batch(batch=1, cameras=2, seed=s) for s in range(6)]

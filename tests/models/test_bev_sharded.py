@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_spatial import SpatialTensor
-from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
+from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 from tests.models.surround import surround_batch
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
@@ -29,6 +29,9 @@ CASES = {  # name -> (model, its options, box counts per sample, allowed fallbac
     "petr_empty_batch": (PETR.tiny, dict(denoise_groups=2), [0, 0], set()),
     "petr_no_queries": (PETR.tiny, dict(num_queries=0), [3], set()),
     "petr_no_queries_denoising": (PETR.tiny, dict(num_queries=0, denoise_groups=2), [2, 0], set()),
+    # multi-scale deformable attention: grid_sample per level of the camera token sets and of the BEV
+    "bevformer": (BEVFormer.tiny, {}, [3], set()),
+    "bevformer_temporal": (BEVFormer.tiny, dict(temporal=True), [2, 0], set()),
 }
 
 
@@ -115,3 +118,42 @@ def _same_detections(mine: dict, theirs: dict) -> None:
 @pytest.mark.parametrize("name", ["lift_splat", "simple_bev"])
 def test_bev_plane_sharded_is_exact(name, layout, mode):
     run_spmd(_bev_plane_case, LAYOUTS[layout][0], name, layout, mode, timeout=300)
+
+
+def _bevformer_case(layout: str, mode: str | None, temporal: bool, dtype: torch.dtype):
+    """BEVFormer on sharded cameras, and with ``bev_shard`` on a sharded BEV: every encoder layer's output is sharded
+    over the BEV cells (the first layer's spatial cross-attention reduce-scatters its samples; later layers sample
+    with sharded queries), no fallback; loss, image gradients and every parameter gradient equal one process's."""
+    torch.manual_seed(0)
+    reference = BEVFormer.tiny(temporal=temporal).to(dtype)
+    ours = copy.deepcopy(reference)
+    sharded = []
+    for layer in ours.bev_layers:
+        layer.register_forward_hook(lambda m, args, out: sharded.append(bool(getattr(out, "shard_layout", None))))
+    height = 64 if layout == "2x2" else 32
+    batch = surround_batch(batch=2, cameras=2, height=height, width=96, boxes=[3, 1], temporal=temporal)
+    batch = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    names = [k for k in ("images", "prev_images") if k in batch]
+
+    def loss(*images):
+        model = ours if isinstance(images[0], SpatialTensor) else reference
+        return model.loss(model({**batch, **dict(zip(names, images))}), batch)["loss"]
+
+    check(loss, [batch[k] for k in names], range(len(names)), axes(layout), modules=(reference, ours), bev_shard=mode)
+    assert sharded == [mode is not None] * len(ours.bev_layers) * (1 + temporal), sharded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,mode,temporal,dtype",
+    [
+        ("w2", None, True, torch.float32),
+        ("w3", None, False, torch.float64),
+        ("w2", "x", True, torch.float64),
+        ("w3", "y", False, torch.float64),  # fp32 whole models: the op tests (tests/ops/test_sample.py) hold 1e-5
+        ("2x2", "x", False, torch.float64),
+        ("2x2", "xy", True, torch.float64),
+    ],
+)
+def test_bevformer_is_exact_with_cameras_and_bev_sharded(layout, mode, temporal, dtype):
+    run_spmd(_bevformer_case, LAYOUTS[layout][0], layout, mode, temporal, dtype, timeout=600)

@@ -1,8 +1,8 @@
-"""The three BEV modules, unchanged, train under ``spatial_tp`` (width 2 and 2x2 tiles) to the weights one device
+"""The four BEV modules, unchanged, train under ``spatial_tp`` (width 2 and 2x2 tiles) to the weights one device
 reaches on the same batches, with fallbacks turned into errors (no op may gather); float64, where the Hungarian
-matching and the heatmap peaks see the same numbers on both sides. PETR under Horovod: tests/horovod. (Lift-Splat
-and Simple-BEV have BatchNorm in their BEV encoders: plain data parallelism changes their statistics, as for any
-BatchNorm network; spatial ranks share one sample's statistics exactly.)"""
+matching and the heatmap peaks see the same numbers on both sides. PETR and BEVFormer under Horovod:
+tests/horovod. (Lift-Splat and Simple-BEV have BatchNorm in their BEV encoders: plain data parallelism changes their
+statistics, as for any BatchNorm network; spatial ranks share one sample's statistics exactly.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from lightning_spatial import SpatialParallelStrategy, SpatialTensor
 from lightning_spatial.data import SurroundScenes, collate_surround
-from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
+from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 from tests.strategy.test_equivalence import assert_same_weights
 
 MODELS = {
@@ -21,6 +21,7 @@ MODELS = {
     "petr_denoise": lambda: PETR.tiny(denoise_groups=2),
     "lift_splat": LiftSplat.tiny,
     "simple_bev": SimpleBEV.tiny,
+    "bevformer": BEVFormer.tiny,
 }
 
 
@@ -37,11 +38,14 @@ def train(
     name: str, strategy, devices: int, replica: tuple[int, int] = (0, 1), sharded_head: bool = False
 ) -> L.LightningModule:
     """Two epochs in float64 on this data replica's samples (the loader's order: no sampler is injected);
-    ``sharded_head``: every rank checks that the detection head's outputs are sharded (the BEV plane is)."""
+    ``sharded_head``: every rank checks that the BEV plane is sharded (the CenterPoint head's outputs, BEVFormer's
+    encoder output)."""
     torch.manual_seed(0)
     model = MODELS[name]()
-    if sharded_head:
-        model.head.register_forward_hook(_outputs_sharded)
+    if sharded_head and isinstance(model, BEVFormer):
+        model.bev_layers[-1].register_forward_hook(lambda m, args, out: _sharded(out))
+    elif sharded_head:
+        model.head.register_forward_hook(lambda m, args, out: _sharded(out["heatmap"]))
     # SGD: AdamW divides each step by the gradient's running norm, so a parameter whose true gradient is zero
     # (PETR's position-embedding bias shifts every key alike: softmax ignores it) would move by +-lr on rounding
     # noise alone, and runs that only sum in another order would drift apart
@@ -62,9 +66,9 @@ def train(
     return model
 
 
-def _outputs_sharded(module, inputs, outputs) -> None:
-    if not isinstance(outputs["heatmap"], SpatialTensor):
-        raise AssertionError(f"the head ran on a replicated BEV grid: {type(outputs['heatmap'])}")
+def _sharded(bev: torch.Tensor) -> None:
+    if not isinstance(bev, SpatialTensor) or not bev.shard_layout.shards:
+        raise AssertionError(f"the BEV grid is replicated: {type(bev)}")
 
 
 @pytest.mark.slow
@@ -81,7 +85,7 @@ def test_bev_module_trains_to_the_single_device_weights(name, spatial):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spatial,bev_shard", [(2, "x"), ((2, 2), "xy")], ids=["w2-x", "2x2-xy"])
-@pytest.mark.parametrize("name", ["lift_splat", "simple_bev"])
+@pytest.mark.parametrize("name", ["lift_splat", "simple_bev", "bevformer"])
 def test_bev_plane_sharded_trains_to_the_single_device_weights(name, spatial, bev_shard):
     """``bev_shard``: the BEV encoder and head run on the rank's cells of the grid, and training still reaches the
     single-device weights (the module cannot tell: no fallback, no change to it)."""

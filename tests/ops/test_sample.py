@@ -203,28 +203,33 @@ def test_bad_input_raises_torchs_error_before_communicating():
     run_spmd(_bad_calls_rank0, 2, timeout=60)
 
 
-def _grid_by_points_case(layout: str, dtype: torch.dtype, tokens: bool):
+def _grid_by_points_case(layout: str, dtype: torch.dtype, form: str):
     """BEV queries sampling a sharded image (Simple-BEV's lifting, BEVFormer's cross-attention by ``grid_sample``):
-    the grid sharded along its point dims over the image's ranks (X over the first axis, Y over the second), or its
-    points flattened to query tokens (``(N, X*Y, 1, 2)``). Each rank samples every point in its own image part; each
+    the grid sharded along its point dims over the image's ranks (X over the first axis, Y over the second), its
+    points flattened to query tokens (``(N, X*Y, 1, 2)``), or several points per query stacked as rows
+    (``(N, P*X, Y, 2)``, BEVFormer's deformable sampling). Each rank samples every point in its own image part; each
     point's sums reach its owner (the output sharded like the grid). Outputs, image and grid gradients."""
     torch.manual_seed(0)
     image = torch.randn(2, 3, 6, 10, dtype=dtype)
-    grid = (torch.rand(2, 5, 4, 2, dtype=dtype) * 2.4 - 1.2).requires_grad_()  # some points outside the image
+    grid = (torch.rand(2, 3, 5, 4, 2, dtype=dtype) * 2.4 - 1.2).requires_grad_()  # some points outside the image
+    if form != "stacked":
+        grid = grid[:, 0].detach().requires_grad_()  # one point per query
     ax = axes(layout)
     by_points = {-3: next(iter(ax.values()))} if len(ax) == 1 else {-3: ax[-2], -2: ax[-1]}
 
     def op(x, g):
         if isinstance(x, SpatialTensor):
             g = shard(g, by_points)
-        if tokens:
+        if form == "tokens":
             g = g.flatten(1, 2).unsqueeze(2)  # (N, X*Y, 1, 2) query tokens, one point each
+        if form == "stacked":
+            g = g.flatten(1, 2)  # (N, P*X, Y, 2): the points of every query stacked as rows
         out = F.grid_sample(x, g, mode="bilinear", padding_mode="zeros", align_corners=False)
         if isinstance(x, SpatialTensor):
             assert isinstance(out, SpatialTensor) and len(out.shard_layout.shards) == len(by_points), out
-        return out
+        return out.unflatten(2, (3, 5)) if form == "stacked" else out
 
-    if tokens and len(by_points) == 2:  # 2-D tiles flatten into two sharded factors of one token dim
+    if form == "tokens" and len(by_points) == 2:  # 2-D tiles flatten into two sharded factors of one token dim
         with pytest.raises(LayoutError, match="grid_sample"):
             check(op, [image, grid], sharded=[0], axes=ax)  # fallbacks are errors: the exact fallback was chosen
         return
@@ -232,11 +237,11 @@ def _grid_by_points_case(layout: str, dtype: torch.dtype, tokens: bool):
         check(op, [image, grid], sharded=[0], axes=ax)
 
 
-@pytest.mark.parametrize("tokens", [False, True], ids=["map", "tokens"])
+@pytest.mark.parametrize("form", ["map", "tokens", "stacked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
-def test_a_grid_sharded_by_points(layout, dtype, tokens):
-    run_spmd(_grid_by_points_case, LAYOUTS[layout][0], layout, dtype, tokens)
+def test_a_grid_sharded_by_points(layout, dtype, form):
+    run_spmd(_grid_by_points_case, LAYOUTS[layout][0], layout, dtype, form)
 
 
 def _grid_over_other_ranks_case():

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_spatial import SpatialFallbackWarning
+from lightning_spatial.layout import LayoutError
 from tests.ops.cases import DTYPES, check_cases
 from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd
@@ -133,3 +134,28 @@ def _regrouping_gathers(layout):
 
 def test_a_view_across_the_token_sets_takes_the_fallback():
     run_spmd(_regrouping_gathers, 2, "w2")
+
+
+def _one_row_level(layout, dtype):
+    """A pyramid whose coarsest level is one row high (a plain width-sharded dim once flattened) is a token set too."""
+    torch.manual_seed(0)
+    width = 9 if layout == "w3" else 8
+    levels = [torch.randn(B, C, 4, 2 * width, dtype=dtype), torch.randn(B, C, 1, width, dtype=dtype)]
+    weight, level_embed = torch.randn(C, C, dtype=dtype) / 2, torch.randn(2, 1, C, dtype=dtype)
+    check(lambda *args: _token_layers(*args, weight, level_embed), levels, [0, 1], axes(layout))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", ["w2", "w3"])
+def test_a_level_one_row_high_is_a_token_set(layout, dtype):
+    run_spmd(_one_row_level, LAYOUTS[layout][0], layout, DTYPES[dtype])
+
+
+def _maps_along_width(layout):
+    x, y = torch.randn(B, C, 4, 6), torch.randn(B, C, 4, 3)
+    with pytest.raises(LayoutError, match="torch.cat"):  # fallbacks are errors: the exact fallback was chosen
+        check(lambda a, b: torch.cat([a, b], -1), [x, y], [0, 1], axes(layout))
+
+
+def test_maps_concatenated_along_their_sharded_width_are_no_token_sets():
+    run_spmd(_maps_along_width, 2, "w2")

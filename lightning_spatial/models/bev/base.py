@@ -137,7 +137,7 @@ def as_range(point_cloud_range: Sequence[float]) -> tuple[float, ...]:
 _AT_LEAST = dict(
     num_classes=1, embed_dims=1, num_layers=1, num_heads=1, ffn_dims=1, depth_bins=1, context_channels=1,
     bev_channels=1, bev_layers=1, head_channels=1, z_bins=1, num_queries=0, denoise_groups=0, max_detections=0,
-    warmup_steps=0,
+    warmup_steps=0, encoder_layers=1, z_anchors=1, sca_points=1, tsa_points=1, num_cameras=1,
 )  # fmt: skip
 
 

@@ -10,7 +10,6 @@ dims, 6 layers, 900 queries, 64 depth bins).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -18,23 +17,15 @@ import torchmetrics
 from torch import nn
 
 from .backbone import ImageEncoder
-from .base import NUSCENES_RANGE, BEVDetector, as_range, check_arguments
-from .denoise import denoising_queries
+from .base import NUSCENES_RANGE, as_range, check_arguments
+from .decoder import QueryDetector
 from .geometry import frustum_to_ego, inverse_sigmoid
-from .query_head import QueryHead
 
 
 def lid_depths(bins: int, near: float, far: float) -> torch.Tensor:
     """PETR's linear-increasing depth bins: spacing grows linearly with depth."""
     index = torch.arange(bins, dtype=torch.float32)
     return near + (far - near) / (bins * (1 + bins)) * index * (index + 1)
-
-
-def sine_embedding(points: torch.Tensor, feats: int, temperature: float = 10000.0) -> torch.Tensor:
-    """(..., 3) points in [0, 1] -> (..., 3 * feats) interleaved sin/cos features per coordinate."""
-    dim_t = temperature ** (2 * (torch.arange(feats, device=points.device) // 2) / feats)
-    angles = points[..., None] * (2 * math.pi) / dim_t
-    return torch.stack([angles[..., 0::2].sin(), angles[..., 1::2].cos()], -1).flatten(-3)
 
 
 def _mlp(cin: int, hidden: int, cout: int) -> nn.Sequential:
@@ -64,29 +55,12 @@ class PositionEmbedding3D(nn.Module):
         return embedding if self.gate is None else embedding * self.gate(features).sigmoid()
 
 
-class DecoderLayer(nn.Module):
-    """Post-norm DETR decoder layer: self-attention over queries, cross-attention to camera tokens, FFN."""
-
-    def __init__(self, dims: int, heads: int, ffn_dims: int, dropout: float):
-        super().__init__()
-        self.self_attn = nn.MultiheadAttention(dims, heads, dropout=dropout, batch_first=True)
-        self.cross_attn = nn.MultiheadAttention(dims, heads, dropout=dropout, batch_first=True)
-        self.ffn = nn.Sequential(nn.Linear(dims, ffn_dims), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dims, dims))
-        self.norms = nn.ModuleList(nn.LayerNorm(dims) for _ in range(3))
-
-    def forward(self, x, query_pos, keys, values, mask=None):
-        q = x + query_pos
-        x = self.norms[0](x + self.self_attn(q, q, x, attn_mask=mask, need_weights=False)[0])
-        x = self.norms[1](x + self.cross_attn(x + query_pos, keys, values, need_weights=False)[0])
-        return self.norms[2](x + self.ffn(x))
-
-
 def camera_tokens(features: torch.Tensor, batch: int) -> torch.Tensor:
     """(B*N, C, h, w) -> (B, N*h*w, C)."""
     return features.flatten(-2).permute(0, 2, 1).reshape(batch, -1, features.shape[1])
 
 
-class PETR(BEVDetector):
+class PETR(QueryDetector):
     TINY = dict(
         backbone="convnext_atto",
         embed_dims=32,
@@ -126,22 +100,11 @@ class PETR(BEVDetector):
         super().__init__(metric)
         self.save_hyperparameters(ignore=["metric"])
         check_arguments(self.hparams)
-        if embed_dims % 4 or embed_dims % num_heads:
-            raise ValueError(
-                f"embed_dims={embed_dims} must be a multiple of 4 (the queries' sine embedding pairs sin and cos for "
-                f"each of 3 coordinates) and of num_heads={num_heads}"
-            )
         point_cloud_range = as_range(point_cloud_range)
         self.encoder = ImageEncoder(backbone, embed_dims, stride, checkpoint_path)
         depths = lid_depths(depth_bins, *depth_range)
         self.position = PositionEmbedding3D(embed_dims, depths, point_cloud_range, feature_guided_pe)
-        # Reference points live in [0, 1]^3 of the range; stored as logits so they never leave it.
-        self.reference_logits = nn.Parameter(inverse_sigmoid(torch.rand(num_queries, 3)))
-        self.query_embedding = nn.Sequential(
-            nn.Linear(3 * (embed_dims // 2), embed_dims), nn.ReLU(), nn.Linear(embed_dims, embed_dims)
-        )
-        self.layers = nn.ModuleList(DecoderLayer(embed_dims, num_heads, ffn_dims, dropout) for _ in range(num_layers))
-        self.head = QueryHead(embed_dims, num_classes, point_cloud_range, max_detections)
+        self.build_decoder(point_cloud_range)
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         self.check_batch(batch)
@@ -153,18 +116,4 @@ class PETR(BEVDetector):
         features = self.encoder(images.flatten(0, 1))
         keys = camera_tokens(features + self.position(features, lidar2img, images.shape[-2:]), b)
         values = camera_tokens(features, b)
-        reference = self.reference_logits.sigmoid().expand(b, -1, -1)
-        denoise = None
-        if self.training and self.hparams.denoise_groups and "boxes" in batch:
-            denoise = denoising_queries(
-                batch["boxes"], batch["labels"], self.hparams.denoise_groups, len(self.reference_logits),
-                self.head.low, self.head.extent,
-            )  # fmt: skip
-        if denoise is not None:
-            reference = torch.cat([denoise.reference, reference], 1)
-        query_pos = self.query_embedding(sine_embedding(reference, self.hparams.embed_dims // 2))
-        x, hidden = torch.zeros_like(query_pos), []
-        for layer in self.layers:
-            x = layer(x, query_pos, keys, values, None if denoise is None else denoise.mask)
-            hidden.append(x)
-        return self.head(torch.stack(hidden), reference, denoise)
+        return self.decode_queries(keys, values, batch)

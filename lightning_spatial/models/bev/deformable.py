@@ -1,0 +1,133 @@
+"""BEVFormer's attention over a BEV query map, in plain PyTorch around ``F.grid_sample`` (as the reference
+``multi_scale_deformable_attn_pytorch``): every query cell predicts a few sampling offsets around its reference
+points and a softmax weight for each, and reads the weighted sum of bilinear samples of value maps there.
+
+BEV queries are a channels-last map ``(B, X, Y, C)`` (x along dim -3): linear layers and norms act on the last dim,
+and the map's cells are the grid of the samples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def deformable_sample(maps: list[torch.Tensor], locations: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Multi-scale deformable attention's core: value maps, per level ``(B', Ch, h_l, w_l)``; sampling
+    ``locations`` ``(B', L, P, X, Y, 2)`` in [0, 1] of each level's map (x along its width, as ``grid_sample``);
+    ``weights`` ``(B', L, P, X, Y)`` -> ``(B', Ch, X, Y)``, every query cell's weighted sum of its samples.
+
+    A level's P points of every query cell are sampled as one image of P * X rows by Y columns, so the samples keep
+    the query map's (X, Y) cells as their last two dims."""
+    out = 0
+    for level, value in enumerate(maps):
+        points, rows = locations.shape[2:4]
+        grid = (2 * locations[:, level] - 1).flatten(1, 2)  # (B', P * X, Y, 2)
+        sampled = F.grid_sample(value, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        out = out + (sampled.unflatten(2, (points, rows)) * weights[:, level, None]).sum(2)
+    return out
+
+
+def _offset_layers(dims_in: int, dims: int, heads: int, count: int, directions: int) -> tuple[nn.Linear, nn.Linear]:
+    """The offset and weight projections, initialised as Deformable DETR: zero weights, offset biases pointing
+    each head in its own direction (the k-th point k steps out), uniform attention."""
+    offsets = nn.Linear(dims_in, heads * count * 2)
+    weights = nn.Linear(dims_in, heads * count)
+    nn.init.zeros_(offsets.weight)
+    angle = torch.arange(heads, dtype=torch.float32) * (2 * math.pi / heads)
+    unit = torch.stack([angle.cos(), angle.sin()], -1)
+    unit = unit / unit.abs().max(-1, keepdim=True).values
+    steps = torch.arange(1, count // directions + 1, dtype=torch.float32).repeat(directions)
+    with torch.no_grad():
+        offsets.bias.copy_((unit[:, None] * steps[None, :, None]).flatten())
+    nn.init.zeros_(weights.weight)
+    nn.init.zeros_(weights.bias)
+    return offsets, weights
+
+
+class TemporalSelfAttention(nn.Module):
+    """BEVFormer's temporal self-attention: each BEV query samples the previous BEV (already in the current ego
+    frame) and the current queries around its own cell; the two results are averaged. Without a previous BEV the
+    queries stand in for it (the first frame)."""
+
+    def __init__(self, dims: int, heads: int, points: int):
+        super().__init__()
+        self.heads, self.points = heads, points
+        # offsets and weights read the previous BEV beside the queries: 2 queues x heads x points
+        self.offsets, self.weights = _offset_layers(2 * dims, dims, 2 * heads, points, 1)
+        self.value = nn.Linear(dims, dims)
+        self.output = nn.Linear(dims, dims)
+
+    def forward(self, queries: torch.Tensor, query_pos: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        """queries, query_pos, previous (B, X, Y, C) -> (B, X, Y, C)."""
+        previous = queries if previous is None else previous
+        b, nx, ny, c = queries.shape
+        heads, points = self.heads, self.points
+        both = torch.cat([previous, queries + query_pos], -1)
+        offsets = self.offsets(both).view(b, nx, ny, 2, heads, points, 2)
+        weights = self.weights(both).view(b, nx, ny, 2, heads, points).softmax(-1)
+        centres = _cell_centres(nx, ny, queries)  # (X, Y, 2) in [0, 1], x along Y (the maps' width)
+        size = queries.new_tensor([ny, nx])
+        locations = centres[:, :, None, None, None] + offsets / size  # (B, X, Y, 2, heads, P, 2)
+        locations = locations.permute(0, 3, 4, 5, 1, 2, 6).reshape(b * 2 * heads, 1, points, nx, ny, 2)
+        weights = weights.permute(0, 3, 4, 5, 1, 2).reshape(b * 2 * heads, 1, points, nx, ny)
+        value = self.value(torch.stack([previous, queries], 1))  # (B, 2, X, Y, C)
+        value = value.unflatten(-1, (heads, c // heads)).permute(0, 1, 4, 5, 2, 3).reshape(-1, c // heads, nx, ny)
+        out = deformable_sample([value], locations, weights).view(b, 2, c, nx, ny).mean(1)
+        return self.output(out.permute(0, 2, 3, 1))
+
+
+class SpatialCrossAttention(nn.Module):
+    """BEVFormer's spatial cross-attention: every BEV query's pillar of ``anchors`` heights is projected into each
+    camera; around each projected anchor it samples ``points`` offsets on every level of that camera's features,
+    and the cameras that see the pillar are averaged."""
+
+    def __init__(self, dims: int, heads: int, levels: int, anchors: int, points: int):
+        super().__init__()
+        self.heads, self.levels, self.anchors, self.points = heads, levels, anchors, points
+        self.offsets, self.weights = _offset_layers(dims, dims, heads, levels * anchors * points, levels * anchors)
+        self.value = nn.Linear(dims, dims)
+        self.output = nn.Linear(dims, dims)
+
+    def forward(
+        self,
+        queries: torch.Tensor,
+        query_pos: torch.Tensor,
+        tokens: torch.Tensor,
+        shapes: list[tuple[int, int]],
+        reference: torch.Tensor,
+        hit: torch.Tensor,
+    ) -> torch.Tensor:
+        """queries, query_pos (B, X, Y, C); camera ``tokens`` (B*N, sum h*w, C) of the levels of ``shapes``
+        concatenated; ``reference`` (B, N, X, Y, anchors, 2): each anchor's image position in [0, 1]; ``hit``
+        (B, N, X, Y): 1 where a camera sees the pillar -> (B, X, Y, C)."""
+        b, nx, ny, c = queries.shape
+        n = hit.shape[1]
+        heads, levels, anchors, points = self.heads, self.levels, self.anchors, self.points
+        q = queries + query_pos
+        offsets = self.offsets(q).view(b, 1, nx, ny, heads, levels, anchors, points, 2)
+        weights = self.weights(q).view(b, nx, ny, heads, levels * anchors * points).softmax(-1)
+        sizes = torch.tensor([[w, h] for h, w in shapes], dtype=q.dtype, device=q.device)  # per level (w, h)
+        locations = reference[:, :, :, :, None, None, :, None] + offsets / sizes[:, None, None]
+        locations = locations.permute(0, 1, 4, 5, 6, 7, 2, 3, 8).reshape(b * n * heads, levels, -1, nx, ny, 2)
+        weights = weights.view(b, 1, nx, ny, heads, levels, anchors * points).expand(-1, n, -1, -1, -1, -1, -1)
+        weights = weights.permute(0, 1, 4, 5, 6, 2, 3).reshape(b * n * heads, levels, -1, nx, ny)
+        values = self.value(tokens).split([h * w for h, w in shapes], 1)  # each level's tokens
+        maps = [
+            v.unflatten(-1, (heads, c // heads)).permute(0, 2, 3, 1).reshape(-1, c // heads, h, w)
+            for v, (h, w) in zip(values, shapes)
+        ]
+        out = deformable_sample(maps, locations, weights).view(b, n, c, nx, ny) * hit[:, :, None]
+        out = out.sum(1) / hit.sum(1)[:, None].clamp(min=1)
+        return self.output(out.permute(0, 2, 3, 1))
+
+
+def _cell_centres(nx: int, ny: int, like: torch.Tensor) -> torch.Tensor:
+    """(X, Y, 2) centres of an X x Y map's cells in [0, 1] as grid_sample reads them: (along Y, along X)."""
+    x = (torch.arange(nx, device=like.device, dtype=like.dtype) + 0.5) / nx
+    y = (torch.arange(ny, device=like.device, dtype=like.dtype) + 0.5) / ny
+    rows, cols = torch.meshgrid(x, y, indexing="ij")
+    return torch.stack([cols, rows], -1)
