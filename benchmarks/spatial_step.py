@@ -61,8 +61,8 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--model",
         default="convnext_xlarge",
-        help="a timm model, or a BEV detector on surround cameras: petr, lift_splat, simple_bev (paper-sized), "
-        "petr_tiny, lift_splat_tiny, simple_bev_tiny",
+        help="a timm model, or a BEV detector on surround cameras: petr, lift_splat, simple_bev, bevformer "
+        "(paper-sized), petr_tiny, lift_splat_tiny, simple_bev_tiny, bevformer_tiny",
     )
     p.add_argument("--cameras", type=int, default=6, help="cameras per sample (BEV detectors)")
     p.add_argument(

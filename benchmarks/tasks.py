@@ -1,6 +1,6 @@
 """What benchmarks/spatial_step.py trains: a timm classifier on (B, 3, H, W) images, or a BEV detector on
-(B, N, 3, H, W) surround cameras (``--model petr``, ``lift_splat``, ``simple_bev``: the modules' defaults, paper-sized
-with ConvNeXt-B; ``petr_tiny`` etc.: their ``tiny()``; ``--cameras``).
+(B, N, 3, H, W) surround cameras (``--model petr``, ``lift_splat``, ``simple_bev``, ``bevformer``: the modules'
+defaults, paper-sized with ConvNeXt-B; ``petr_tiny`` etc.: their ``tiny()``; ``--cameras``).
 
 A task builds the model, turns this rank's image block into the model's input (sharded images plus the
 replicated calibration and boxes a detector needs) and computes a loss. For a classifier the natural baseline
@@ -39,18 +39,19 @@ class DetectorTask:
     baseline = "one device"
 
     def __init__(self, args):
-        from lightning_spatial.models.bev import PETR, LiftSplat, SimpleBEV
+        from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 
         name, tiny = args.model.removesuffix("_tiny"), args.model.endswith("_tiny")
-        module = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV}[name]
+        module = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV, "bevformer": BEVFormer}[name]
         self.make = module.tiny if tiny else module
+        self.options = {"num_cameras": args.cameras} if module is BEVFormer else {}  # its camera embedding
         self.batch, self.cameras = args.batch, args.cameras
 
     def image_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (self.batch, self.cameras, 3, height, width)
 
     def build(self, device: torch.device, ckpt: bool) -> torch.nn.Module:
-        model = self.make().to(device)
+        model = self.make(**self.options).to(device)
         model.encoder.backbone.set_grad_checkpointing(ckpt)
         return model
 
@@ -73,7 +74,7 @@ class DetectorTask:
         return getattr(model, "module", model).loss(model(x), x)["loss"]
 
 
-DETECTORS = ("petr", "lift_splat", "simple_bev")
+DETECTORS = ("petr", "lift_splat", "simple_bev", "bevformer")
 
 
 def task(args):

@@ -91,9 +91,9 @@ def test_petr_benchmark_smoke_on_cpu(tmp_path):
     assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows) and rows[1]["halo_mib_per_step"] > 0
 
 
-@pytest.mark.parametrize("model", ["lift_splat_tiny", "simple_bev_tiny"])
+@pytest.mark.parametrize("model", ["lift_splat_tiny", "simple_bev_tiny", "bevformer_tiny"])
 def test_bev_plane_benchmark_smoke_on_cpu(tmp_path, model):
-    """The splat detectors with their BEV grid sharded (``--bev-shard x``): one device, then one rank of 2."""
+    """The BEV detectors with their BEV grid sharded (``--bev-shard x``): one device, then one rank of 2."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "spatial_step.py"), "--device", "cpu", "--model", model]
     cmd += [
         "--cameras",

@@ -170,7 +170,7 @@ def test_image_folder_demo_trains_sharded_at_each_files_resolution(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("experiment", ["bev_cpu", "simple_bev_cpu", "lift_splat_cpu"])
+@pytest.mark.parametrize("experiment", ["bev_cpu", "simple_bev_cpu", "lift_splat_cpu", "bevformer_cpu"])
 def test_bev_experiment_scores_the_untrained_model_first(experiment, tmp_path):
     """The CPU BEV experiments (shortened) with validate_first=true: the untrained model's detection scores are
     printed and logged at step 0, before the training steps, and the final line has val_mAP and val_NDS. The

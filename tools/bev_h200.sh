@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # BEV on H200s (docs/benchmarks.md, docs/bev.md): the camera-token attention and PETR memory, then PETR training.
 #   bash tools/bev_h200.sh memory     # one GPU (fake group for S>1) and 2 GPUs over NCCL: rows to $OUT
+#   bash tools/bev_h200.sh bevformer  # BEVFormer-base-like at 900x1600, 200x200 BEV, S = 1..8 (one GPU, fake group)
 #   bash tools/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on ${GPUS:-2} GPUs (S = GPUS) for
 #                                       # ${MINUTES:-6} minutes;
 #                                       # called again on the warm machine it resumes (MINUTES=15, 24, ...: the total);
@@ -21,6 +22,9 @@ case "${1:-memory}" in
       "$BIN/torchrun" --standalone --nproc-per-node 2 benchmarks/spatial_step.py --model petr --cameras 6 --batch 1 \
         --out "$OUT" --steps 3 --warmup 2 --height $size --spatial 2 --precisions fp32,bf16
     done ;;
+  bevformer)
+    B="python3 benchmarks/spatial_step.py --model bevformer --cameras 6 --batch 1 --out $OUT --steps 3 --warmup 2"
+    $B --height 900 --widths 1600 --spatial 1,2,4,8 --precisions fp32,bf16 --bev-shard x ;;
   train)
     # a warm machine keeps the run: the next call resumes from its last checkpoint (the time limit counts all calls)
     name=${EXPERIMENT:-petr_convnext} run=/tmp/${EXPERIMENT:-petr_convnext} resume=() gpus=()

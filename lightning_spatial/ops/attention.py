@@ -12,8 +12,11 @@ transformer layers reach it through torch's own ``multi_head_attention_forward``
   query gradient (the split convention: DDP sums the shares).
 - **sharded queries, replicated keys**: local.
 - **both sharded**: fewer queries than keys (BEV queries over camera tokens, without a mask, causality or
-  dropout): the queries are all-gathered, then it is the replicated-queries case above,
-  each rank keeping its own queries' rows of the merged result. Otherwise (self-attention over camera tokens):
+  dropout): the queries are all-gathered, then it is the replicated-queries case above with the merge per query
+  owner: the max and the weights' sums are all-reduced (a number per query row), the rescaled outputs are
+  reduce-scattered, so each rank receives its own queries' rows and never holds all outputs; the backward
+  all-gathers the output and its gradient (the kernel's backward reads every query row). Otherwise
+  (self-attention over camera tokens):
   keys and values, so every rank holds all of K/V (and the adjoint reduce-scatters their gradients), then it is
   the local case.
 
@@ -37,6 +40,7 @@ from ..layout import Layout
 from ..tensor import SpatialTensor, adopt, gather, unwrap, wrap
 from ._common import eager_backward, localize, moved_shards
 from ._meta import meta_check
+from .pending import reduced_into
 
 
 def _along(layout: Layout | None, dim: int) -> bool:
@@ -53,10 +57,17 @@ def scaled_dot_product_attention(
         return fallback(F.scaled_dot_product_attention, args, kwargs)
     if lq is not None and lk is not None:  # every query needs every key
         if attn_mask is None and not is_causal and dropout_p == 0 and query.shape[-2] < key.shape[-2]:
-            return _queries_gathered(query, key, value, lq, scale, enable_gqa)  # fewer queries: gather those
+            return _queries_gathered(query, key, value, lq, lk, scale, enable_gqa)  # fewer queries: gather those
         key, value, lk = gather(key), gather(value), None  # gather K/V, keep 1/S of the queries
         if isinstance(attn_mask, SpatialTensor) and any(s.dim == -1 for s in attn_mask.shard_layout.shards):
             attn_mask = gather(attn_mask)
+    return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, owners: Layout | None = None):
+    """Queries sharded or replicated, keys sharded or not. ``owners``: the layout of the (all-gathered) queries'
+    owners, who receive the merged rows."""
+    lq, lk = unwrap(query)[1], unwrap(key)[1]
     if is_causal:
         attn_mask = _causal(lq, lk, query.shape[-2], key.shape[-2], query.device)
     if enable_gqa:
@@ -69,22 +80,29 @@ def scaled_dot_product_attention(
             return _math(query, key, value, attn_mask, dropout_p, scale)
         return adopt(F.scaled_dot_product_attention(q, k, v, _local_mask(attn_mask, lq), scale=scale), lq)
     if dropout_p > 0 or (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad):
-        return _math(query, key, value, attn_mask, dropout_p, scale)
+        return _owned(_math(query, key, value, attn_mask, dropout_p, scale), owners)
     # the fused kernels want rows of unit stride: torch 2.11's CPU flash kernel reads strided ones wrongly, silently
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     bias, blind = _bias(_local_mask(attn_mask, Layout(moved_shards(lk.shards, -1))), q, k)
     if not _fused(q, k, v, bias):
-        return _math(query, key, value, attn_mask, dropout_p, scale)
-    return _ShardedKeys.apply(q, k, v, bias, blind, scale, lk.shards)
+        return _owned(_math(query, key, value, attn_mask, dropout_p, scale), owners)
+    return adopt(_ShardedKeys.apply(q, k, v, bias, blind, scale, lk.shards, owners), owners)
 
 
-def _queries_gathered(query, key, value, lq: Layout, scale, enable_gqa: bool) -> torch.Tensor:
+def _queries_gathered(query, key, value, lq: Layout, lk: Layout, scale, enable_gqa: bool) -> torch.Tensor:
     """Both sharded, the queries the smaller (BEV queries over camera tokens): every rank attends with all queries to
-    its own keys, the per-rank results merge by their log-sum-exp (the replicated-queries case), and each rank keeps
-    its own queries' rows. No rank holds all keys; the query gradient's shares meet at their owners (all-gather's
-    adjoint)."""
-    out = scaled_dot_product_attention(gather(query), key, value, scale=scale, enable_gqa=enable_gqa)
-    return wrap(lq.take_local(out), lq)
+    its own keys and the per-rank results merge by their log-sum-exp at each query's owner. No rank holds all keys;
+    the query gradient's shares meet at their owners (all-gather's adjoint). Queries sharded over a mesh axis the
+    keys are not sharded over are whole along it already: merged everywhere, each rank keeps its rows."""
+    if not {s.axis.ranks for s in lq.shards} <= {s.axis.ranks for s in lk.shards}:
+        out = scaled_dot_product_attention(gather(query), key, value, scale=scale, enable_gqa=enable_gqa)
+        return wrap(lq.take_local(out), lq)
+    return _attend(gather(query), key, value, None, 0.0, False, scale, enable_gqa, owners=lq)
+
+
+def _owned(out: torch.Tensor, owners: Layout | None) -> torch.Tensor:
+    """A merged result for all queries: the owners' rows of it."""
+    return out if owners is None else wrap(owners.take_local(out), owners)
 
 
 def _local_mask(mask, target: Layout | None) -> torch.Tensor | None:
@@ -186,10 +204,11 @@ def _kernel_backward(grad, q, k, v, bias, out, lse, state, scale):
 
 
 class _ShardedKeys(torch.autograd.Function):
-    """Replicated queries attend to this rank's keys; the per-rank results merge exactly by their log-sum-exp."""
+    """Replicated queries attend to this rank's keys; the per-rank results merge exactly by their log-sum-exp, on
+    every rank, or (``owners``) reduce-scattered to the rank that holds each query row."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, blind, scale, shards):
+    def forward(ctx, q, k, v, bias, blind, scale, shards, owners):
         out, lse, state = _kernel(q, k, v, bias, scale)
         rows = q.shape[-2]  # the CUDA kernel pads lse's query dim
         mine = lse[..., :rows]
@@ -199,23 +218,34 @@ class _ShardedKeys(torch.autograd.Function):
         top = top.masked_fill(torch.isneginf(top), 0)  # rows no rank sees: every weight is 0
         weight = torch.exp(mine - top).unsqueeze(-1)
         part = torch.where(weight > 0, out.to(weight.dtype) * weight, 0)
-        total = across_detached(torch.cat([part, weight], -1), shards)
-        den = total[..., -1]
-        # in the kernel output's memory layout: the CUDA backward reads ``out`` with the strides it wrote it with
-        merged = torch.empty_like(out).copy_(total[..., :-1] / den.clamp_min(1).unsqueeze(-1))  # den: 0 or >= 1
+        if owners is None:
+            total = across_detached(torch.cat([part, weight], -1), shards)
+            part, den = total[..., :-1], total[..., -1]
+        else:  # the weights' sums everywhere (the backward's lse), the outputs' only at their owners
+            den = across_detached(weight[..., 0], shards)
+            part = unwrap(reduced_into(part, [s.axis for s in shards], owners.shards))[0]
         lse = lse.clone()
         lse[..., :rows] = torch.where(den > 0, top + den.log(), 0)  # 0: the kernels' own value for a masked row
+        den = den if owners is None else owners.take_local(den.unsqueeze(-1)).squeeze(-1)
+        # in the kernel output's memory layout: the CUDA backward reads ``out`` with the strides it wrote it with
+        like = out if owners is None else torch.empty_like(part)
+        merged = torch.empty_like(like).copy_(part / den.clamp_min(1).unsqueeze(-1))  # den: 0 or >= 1
         ctx.save_for_backward(q, k, v, bias, merged, lse, *state)
-        ctx.scale, ctx.shards = scale, shards
+        ctx.scale, ctx.shards, ctx.owners, ctx.strides = scale, shards, owners, out.stride()
         return merged
 
     @staticmethod
     @eager_backward
     def backward(ctx, grad):
         q, k, v, bias, out, lse, *state = ctx.saved_tensors
-        grad = across_detached(grad, ctx.shards).contiguous()  # the sum of the output gradient's shares
+        if ctx.owners is None:
+            grad = across_detached(grad, ctx.shards).contiguous()  # the sum of the output gradient's shares
+        else:  # every query row's output and its (exact, owned) gradient
+            grad = gather(wrap(grad, ctx.owners)).contiguous()
+            whole = gather(wrap(out, ctx.owners))
+            out = torch.empty_strided(whole.shape, ctx.strides, dtype=whole.dtype, device=whole.device).copy_(whole)
         dq, dk, dv = _kernel_backward(grad, q, k, v, bias, out, lse, state, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # -- nn.MultiheadAttention -----------------------------------------------------------------------------------

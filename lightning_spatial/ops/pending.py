@@ -135,17 +135,20 @@ def _reduce(p: PendingSum) -> torch.Tensor:
 
 def reduced_into(partial: torch.Tensor, axes: Sequence[Axis], shards: Sequence[DimShard]) -> torch.Tensor:
     """The sum over ``axes`` of every rank's ``partial`` (the global shape), laid out as ``shards`` (each over one
-    of ``axes``): a reduce-scatter along each shard's dim, the axes no shard takes all-reduced first. No shards:
-    replicated."""
+    of ``axes``): a reduce-scatter along each sharded factor (a token dim is viewed as its factors for it), the axes
+    no shard takes all-reduced first. No shards: replicated."""
     taken = {s.axis.ranks for s in shards}
     total = across(partial, [a for a in axes if a.ranks not in taken])
-    for s in shards:
-        dim = total.dim() + s.dim
-        if s.outer > 1:  # a token dim whose sharded factor has others outside it: scatter within each outer row
-            total = reduce_scatter(total.unflatten(dim, (s.outer, -1)), dim + 1, s.axis, s.inner).flatten(dim, dim + 1)
-        else:
-            total = reduce_scatter(total, dim, s.axis, s.inner)
-    return wrap(total, Layout(tuple(shards)) if shards else None)
+    layout = Layout(tuple(shards)) if shards else None
+    for dim in layout.dims if layout else ():
+        factors = layout.factors(dim)
+        at = total.dim() + dim
+        total = total.unflatten(at, [n for n, _ in factors])
+        for k, (_, s) in enumerate(factors):
+            if s is not None:
+                total = reduce_scatter(total, at + k, s.axis)
+        total = total.flatten(at, at + len(factors) - 1)
+    return wrap(total, layout)
 
 
 __all__ = ["PendingSum", "pending", "reduced_into", "resolve"]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from lightning_spatial import SpatialTensor, shard
 from tests.ops.cases import DTYPES, check_cases, raises_like_one_device
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
@@ -278,6 +279,25 @@ def _cases(layout, dtype):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_attention_matches_one_device(layout, dtype):
     run_spmd(_cases, LAYOUTS[layout][0], layout, dtype)
+
+
+def _queries_over_other_ranks(dtype):
+    """Fewer queries than keys, the queries tiled over both axes of a 2x2 group, the keys sharded over its second
+    axis only: along the first, every rank holds all of its keys' sums already, so the merge is not reduced there."""
+    torch.manual_seed(0)
+    ax = axes("2x2")
+
+    def op(qm, m):
+        if isinstance(qm, SpatialTensor):
+            m = shard(m, {-1: ax[-1]})
+        return F.scaled_dot_product_attention(heads(tokens(qm)), *kv(m))
+
+    check(op, [torch.randn(B, C, 3, 8, dtype=dtype), torch.randn(B, 2 * C, H, 8, dtype=dtype)], [0], ax)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_queries_sharded_over_ranks_the_keys_are_not(dtype):
+    run_spmd(_queries_over_other_ranks, 4, DTYPES[dtype])
 
 
 ERRORS = {  # name -> (inputs, op, sharded, same message as one device)
