@@ -19,7 +19,7 @@ from torch import nn
 
 from .backbone import ImageEncoder
 from .base import NUSCENES_RANGE, as_range, check_arguments
-from .decoder import QueryDetector
+from .decoder import QueryDetector, sine_embedding
 from .deformable import SpatialCrossAttention, TemporalSelfAttention
 from .geometry import BEVGrid, project
 
@@ -112,7 +112,16 @@ class BEVFormer(QueryDetector):
                 previous = self.bev(batch["prev_images"], batch["prev_lidar2img"], None)
         bev = self.bev(batch["images"], batch["lidar2img"], previous)
         tokens = bev.flatten(1, 2)  # (B, X * Y, C)
-        return self.decode_queries(tokens + self.bev_position().flatten(0, 1), tokens, batch)
+        return self.decode_queries(tokens + self.cell_position(tokens.dtype), tokens, batch)
+
+    def cell_position(self, dtype: torch.dtype) -> torch.Tensor:
+        """(X * Y, C): the decoder's keys carry their cells' centres (at mid height), embedded as the queries'
+        reference points are (``query_embedding`` of the sine features), so a query's position and the cells around
+        it are alike from the first step."""
+        low, extent = self.head.low, self.head.extent
+        centres = (self.grid.centres(low.device) - low[:2]) / extent[:2]
+        points = torch.cat([centres, torch.full_like(centres[..., :1], 0.5)], -1).flatten(0, 1).to(dtype)
+        return self.query_embedding(sine_embedding(points, self.hparams.embed_dims // 2))
 
     def bev_position(self) -> torch.Tensor:
         """(X, Y, C): a learned row embedding beside a learned column embedding."""
