@@ -12,6 +12,10 @@ its point dims (BEV queries, over the input's ranks) is all-gathered (points are
 points in its own shard, and a reduce-scatter hands each point's sums to the rank that holds the point: the output
 is sharded like the grid. A grid sharded otherwise (its batch, or over other ranks) takes the exact gather
 fallback, with its warning.
+
+The taps' rows and weights cover every point of the grid on every rank (several times the grid's size, whatever S
+is): they are computed again in the backward from the grid (a checkpoint) instead of being kept, so a rank keeps only
+its input shard and the grid between forward and backward.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from functools import reduce
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..fallback import fallback
 from ..layout import Layout
@@ -83,11 +88,16 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
         kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
         return fallback(F.grid_sample, (input, grid), kwargs)
     whole = gather(grid)  # a sharded grid: every rank samples every point in its own part of the input
-    index, weight = _shard_taps(x, layout, whole, mode, padding, align)
-    out = _TapSum.apply(x, index, weight).view(*x.shape[:2], *whole.shape[1:-1])
+    out = checkpoint(_sampled, x, whole, layout, mode, padding, align, use_reentrant=False)
     if points is None:
         return pending(out, layout.shards)  # replicated, or sharded like the grid's cells (ops.pending)
     return _to_point_owners(out, layout, points)
+
+
+def _sampled(x, whole, layout: Layout, mode: str, padding: str, align: bool) -> torch.Tensor:
+    """This rank's partial sums at every point of the grid ``whole``."""
+    index, weight = _shard_taps(x, layout, whole, mode, padding, align)
+    return _TapSum.apply(x, index, weight).view(*x.shape[:2], *whole.shape[1:-1])
 
 
 def _by_points(points: Layout, layout: Layout, ndim: int) -> bool:

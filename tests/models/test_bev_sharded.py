@@ -12,8 +12,10 @@ import warnings
 import pytest
 import torch
 
-from lightning_spatial import SpatialTensor
+from lightning_spatial import SpatialTensor, shard
+from lightning_spatial.layout import LayoutError
 from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
+from lightning_spatial.run import Run, entered
 from tests.models.surround import surround_batch
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
@@ -157,3 +159,19 @@ def _bevformer_case(layout: str, mode: str | None, temporal: bool, dtype: torch.
 )
 def test_bevformer_is_exact_with_cameras_and_bev_sharded(layout, mode, temporal, dtype):
     run_spmd(_bevformer_case, LAYOUTS[layout][0], layout, mode, temporal, dtype, timeout=600)
+
+
+def _bev_rows_fewer_than_ranks():
+    torch.manual_seed(0)
+    model = BEVFormer.tiny(bev_size=(1, 8)).double()
+    batch = surround_batch(batch=1, cameras=2, height=32, width=96, boxes=[2])
+    batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    images = shard(batch["images"], axes("w2"))
+    with entered(Run(fallback="error", bev_shard="x")), pytest.raises(LayoutError, match=r"has 1 cells along dim -2"):
+        model({**batch, "images": images})
+
+
+def test_a_bev_grid_with_fewer_rows_than_ranks_fails_naming_the_sizes():
+    """BEVFormer's BEV queries sharded by rows (bev_shard="x") need at least a row per rank: its first cross-attention
+    raises with the sizes and the fix, before any optimizer step."""
+    run_spmd(_bev_rows_fewer_than_ranks, 2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from contextlib import contextmanager
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -254,3 +255,23 @@ def _grid_over_other_ranks_case():
 
 def test_a_grid_sharded_over_other_ranks_than_the_image_takes_the_fallback():
     run_spmd(_grid_over_other_ranks_case, 4)
+
+
+def _taps_recomputed_case():
+    """The taps' rows and weights of every grid point (``taps`` x the points, on every rank, whatever S is) are not
+    kept for the backward: it computes them again from the grid, so a rank keeps its input shard and the grid only."""
+    from lightning_spatial.ops import sample
+
+    ax = axes("w2")
+    image = shard(torch.randn(2, 3, 6, 10), ax).requires_grad_()
+    grid = (torch.rand(2, 5, 4, 2) * 2 - 1).requires_grad_()
+    calls, original = [], sample._shard_taps
+    with patch.object(sample, "_shard_taps", lambda *a: calls.append(1) or original(*a)):
+        out = F.grid_sample(image, grid, align_corners=False)
+        assert len(calls) == 1
+        out.sum().backward()
+    assert len(calls) == 2 and image.grad is not None and grid.grad is not None
+
+
+def test_the_taps_are_recomputed_in_backward_not_kept():
+    run_spmd(_taps_recomputed_case, 2)
