@@ -6,7 +6,8 @@ fallbacks turned into errors: no op gathers.
 
 Both meet a common pattern: a map pooled to 1x1 (replicated), resized to a sharded map's size with
 ``F.interpolate(size=x.shape[-2:])`` and joined with sharded maps (DeepLabV3's ASPP image pooling: ``torch.cat``;
-the FPN's global-context level: the top-down add). EfficientNet-PyTorch brings its own autograd Function.
+the FPN's global-context level: the top-down add). EfficientNet-PyTorch brings its own autograd Function, and
+Ross Wightman's EfficientDet (``effdet``) a whole detector: BiFPN, heads, anchor labeling and its losses.
 float64, float64 tolerance (``oracle.RTOL_FLOAT64``).
 """
 
@@ -22,6 +23,7 @@ import torchvision
 from torchvision.ops import FeaturePyramidNetwork
 
 from lightning_spatial import SpatialTensor, fallback_mode
+from tests.oracle import RTOL as RTOL_FP32
 from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
@@ -96,3 +98,42 @@ def _efficientnet(name: str) -> torch.nn.Module:
 @pytest.mark.parametrize("layout", ["w2", "2x2"])
 def test_efficientnet_pytorch_with_its_autograd_function_swish_trains_spatially_and_exactly(layout):
     run_spmd(_case, LAYOUTS[layout][0], layout, _efficientnet, "efficientnet-b0", timeout=600)
+
+
+# EfficientDet computes its losses in float32 whatever the model's dtype (effdet's ``loss_fn`` casts the head outputs
+# with ``.float()``): in a float64 model the loss and every gradient behind it carry float32 rounding (one process,
+# contiguous vs channels_last, differs by 2.0e-8 relative in the worst parameter gradient), so it is held to the
+# fp32 tolerance.
+EFFDET_RTOL = RTOL_FP32
+
+
+def _effdet_case(layout: str) -> None:
+    """Ross Wightman's EfficientDet (``effdet``: EfficientNet-B0 trunk, BiFPN, class and box nets, its anchor
+    labeler, focal and Huber losses) trained as its ``DetBenchTrain`` does, unchanged: the loss, every parameter's
+    gradient and every BatchNorm buffer equal one process's, no op gathers."""
+    from effdet import create_model
+
+    torch.manual_seed(0)
+    size = (256, 512) if layout == "2x2" else (128, 256)  # the coarsest level (stride 128): a row per rank
+    model = create_model(
+        "efficientdet_d0", bench_task="train", bench_labeler=True, pretrained=False, pretrained_backbone=False,
+        num_classes=3, image_size=size,
+    ).double()  # fmt: skip
+    model.anchors.boxes = model.anchors.boxes.float()  # its box labeler takes float32 boxes only
+    models = {False: model, True: copy.deepcopy(model)}
+    x = torch.randn(2, 3, *size, dtype=torch.float64)
+    boxes = torch.tensor([[[10.0, 20.0, 60.0, 90.0], [40.0, 100.0, 120.0, 200.0]], [[5.0, 5.0, 50.0, 50.0], [-1] * 4]])
+    target = {"bbox": boxes, "cls": torch.tensor([[1.0, 2.0], [3.0, -1.0]])}  # yxyx; -1: padding
+
+    def loss(x):
+        torch.manual_seed(1)  # its backbone's DropPath draws the same per-sample masks on both sides
+        out = models[isinstance(x, SpatialTensor)](x, target)
+        return out["loss"], out["class_loss"], out["box_loss"]
+
+    with fallback_mode("error"):
+        check(loss, [x], sharded=[0], axes=axes(layout), modules=(models[False], models[True]), rtol=EFFDET_RTOL)
+
+
+@pytest.mark.parametrize("layout", ["w2", "2x2"])
+def test_efficientdet_trains_spatially_and_exactly(layout):
+    run_spmd(_effdet_case, LAYOUTS[layout][0], layout, timeout=600)
