@@ -1,6 +1,7 @@
 """BEVFormer: a grid of learned BEV queries builds the bird's-eye view by deformable attention, layer by layer:
 temporal self-attention to the previous frame's BEV and spatial cross-attention to the multi-scale features of the
-cameras each query's pillar hits (``deformable.py``); the DETR-style decoder of PETR then detects over the BEV cells.
+cameras each query's pillar hits (``deformable.py``); object queries then detect with Deformable DETR's decoder,
+sampling the BEV around their reference points, and PETR's head, losses and matching (``decoder.py``).
 
 ``temporal=True`` builds the previous frame's BEV first, without gradients as BEVFormer does, from
 ``prev_images`` and ``prev_lidar2img``: the previous cameras in the current ego frame, so that BEV is already
@@ -19,8 +20,8 @@ from torch import nn
 
 from .backbone import ImageEncoder
 from .base import NUSCENES_RANGE, as_range, check_arguments
-from .decoder import QueryDetector, sine_embedding
-from .deformable import SpatialCrossAttention, TemporalSelfAttention
+from .decoder import QueryDetector
+from .deformable import DeformableDecoderLayer, SpatialCrossAttention, TemporalSelfAttention
 from .geometry import BEVGrid, project
 
 
@@ -102,7 +103,7 @@ class BEVFormer(QueryDetector):
             EncoderLayer(embed_dims, num_heads, ffn_dims, levels, z_anchors, sca_points, tsa_points, dropout)
             for _ in range(encoder_layers)
         )
-        self.build_decoder(point_cloud_range)
+        self.build_decoder(point_cloud_range, DeformableDecoderLayer)
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         self.check_batch(batch)
@@ -111,17 +112,7 @@ class BEVFormer(QueryDetector):
             with torch.no_grad():  # the history BEV carries no gradient (BEVFormer's obtain_history_bev)
                 previous = self.bev(batch["prev_images"], batch["prev_lidar2img"], None)
         bev = self.bev(batch["images"], batch["lidar2img"], previous)
-        tokens = bev.flatten(1, 2)  # (B, X * Y, C)
-        return self.decode_queries(tokens + self.cell_position(tokens.dtype), tokens, batch)
-
-    def cell_position(self, dtype: torch.dtype) -> torch.Tensor:
-        """(X * Y, C): the decoder's keys carry their cells' centres (at mid height), embedded as the queries'
-        reference points are (``query_embedding`` of the sine features), so a query's position and the cells around
-        it are alike from the first step."""
-        low, extent = self.head.low, self.head.extent
-        centres = (self.grid.centres(low.device) - low[:2]) / extent[:2]
-        points = torch.cat([centres, torch.full_like(centres[..., :1], 0.5)], -1).flatten(0, 1).to(dtype)
-        return self.query_embedding(sine_embedding(points, self.hparams.embed_dims // 2))
+        return self.decode_queries((bev,), batch)
 
     def bev_position(self) -> torch.Tensor:
         """(X, Y, C): a learned row embedding beside a learned column embedding."""

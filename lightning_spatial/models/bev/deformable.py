@@ -131,3 +131,45 @@ def _cell_centres(nx: int, ny: int, like: torch.Tensor) -> torch.Tensor:
     y = (torch.arange(ny, device=like.device, dtype=like.dtype) + 0.5) / ny
     rows, cols = torch.meshgrid(x, y, indexing="ij")
     return torch.stack([cols, rows], -1)
+
+
+class DeformableDecoderLayer(nn.Module):
+    """BEVFormer's post-norm detection decoder layer (Deformable DETR's): self-attention over the object queries,
+    deformable attention to the BEV around each query's reference point, FFN."""
+
+    def __init__(self, dims: int, heads: int, ffn_dims: int, dropout: float, points: int = 4):
+        super().__init__()
+        self.heads, self.points = heads, points
+        self.self_attn = nn.MultiheadAttention(dims, heads, dropout=dropout, batch_first=True)
+        self.offsets, self.weights = _offset_layers(dims, dims, heads, points, 1)
+        self.value = nn.Linear(dims, dims)
+        self.output = nn.Linear(dims, dims)
+        self.ffn = nn.Sequential(nn.Linear(dims, ffn_dims), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dims, dims))
+        self.dropout = nn.Dropout(dropout)
+        self.norms = nn.ModuleList(nn.LayerNorm(dims) for _ in range(3))
+
+    def forward(self, x, query_pos, reference, bev, mask=None):
+        """x, query_pos (B, Q, C); reference (B, Q, 3) in [0, 1] of the point-cloud range; bev (B, X, Y, C)."""
+        q = x + query_pos
+        x = self.norms[0](x + self.self_attn(q, q, x, attn_mask=mask, need_weights=False)[0])
+        x = self.norms[1](x + self.dropout(self.sample(x + query_pos, reference, bev)))
+        return self.norms[2](x + self.ffn(x))
+
+    def sample(self, q: torch.Tensor, reference: torch.Tensor, bev: torch.Tensor) -> torch.Tensor:
+        """Each query's weighted samples of the BEV at ``points`` offsets around its reference (x, y) per head."""
+        b, nq, c = q.shape
+        nx, ny = bev.shape[1:3]
+        heads, points = self.heads, self.points
+        offsets = self.offsets(q).view(b, nq, heads, points, 2)
+        weights = self.weights(q).view(b, nq, heads, points).softmax(-1)
+        centre = reference[..., [1, 0]].to(q.dtype)  # (y, x): along the map's width (Y), then its height (X)
+        locations = centre[:, :, None, None] + offsets / q.new_tensor([ny, nx])  # (B, Q, heads, P, 2)
+        grid = (2 * locations - 1).permute(0, 2, 1, 3, 4).reshape(b * heads, nq, points, 2)
+        value = (
+            self.value(bev).unflatten(-1, (heads, c // heads)).permute(0, 3, 4, 1, 2).reshape(-1, c // heads, nx, ny)
+        )
+        # the queries' samples as one flat row each: a sharded BEV's partial sums are all-reduced, queries stay whole
+        sampled = F.grid_sample(value, grid, mode="bilinear", padding_mode="zeros", align_corners=False).flatten(2)
+        weights = weights.permute(0, 2, 1, 3).reshape(b * heads, 1, nq * points)
+        out = (sampled * weights).unflatten(2, (nq, points)).sum(-1)  # (B * heads, C / heads, Q)
+        return self.output(out.reshape(b, c, nq).transpose(1, 2))

@@ -116,4 +116,4 @@ class PETR(QueryDetector):
         features = self.encoder(images.flatten(0, 1))
         keys = camera_tokens(features + self.position(features, lidar2img, images.shape[-2:]), b)
         values = camera_tokens(features, b)
-        return self.decode_queries(keys, values, batch)
+        return self.decode_queries((keys, values), batch)
