@@ -1,4 +1,4 @@
-"""What the three BEV detectors share as LightningModules: steps, logging, the optional metric, the optimizer.
+"""What the BEV detectors share as LightningModules: steps, logging, the optional metric, the optimizer.
 
 A subclass calls ``save_hyperparameters(ignore=["metric"])`` (with ``lr``, ``weight_decay``, ``warmup_steps``,
 ``backbone_lr_mult``, ``num_classes`` and ``point_cloud_range`` among its arguments) and ``check_arguments`` on

@@ -1,4 +1,4 @@
-"""Camera and BEV-grid geometry shared by the three detectors.
+"""Camera and BEV-grid geometry shared by the detectors.
 
 Pixel convention (OpenCV): pixel j of an image covers [j - 0.5, j + 0.5], so its centre is at integer j, as
 `lidar2img` maps it. A feature map of n cells covers the whole image of n_image pixels, so cell j's centre lies
