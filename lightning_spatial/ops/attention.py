@@ -94,10 +94,10 @@ def _queries_gathered(query, key, value, lq: Layout, lk: Layout, scale, enable_g
     its own keys and the per-rank results merge by their log-sum-exp at each query's owner. No rank holds all keys;
     the query gradient's shares meet at their owners (all-gather's adjoint). Queries sharded over a mesh axis the
     keys are not sharded over are whole along it already: merged everywhere, each rank keeps its rows."""
+    whole = gather(query)
     if not {s.axis.ranks for s in lq.shards} <= {s.axis.ranks for s in lk.shards}:
-        out = scaled_dot_product_attention(gather(query), key, value, scale=scale, enable_gqa=enable_gqa)
-        return wrap(lq.take_local(out), lq)
-    return _attend(gather(query), key, value, None, 0.0, False, scale, enable_gqa, owners=lq)
+        return _owned(_attend(whole, key, value, None, 0.0, False, scale, enable_gqa), lq)
+    return _attend(whole, key, value, None, 0.0, False, scale, enable_gqa, owners=lq)
 
 
 def _owned(out: torch.Tensor, owners: Layout | None) -> torch.Tensor:
@@ -228,8 +228,8 @@ class _ShardedKeys(torch.autograd.Function):
         lse[..., :rows] = torch.where(den > 0, top + den.log(), 0)  # 0: the kernels' own value for a masked row
         den = den if owners is None else owners.take_local(den.unsqueeze(-1)).squeeze(-1)
         # in the kernel output's memory layout: the CUDA backward reads ``out`` with the strides it wrote it with
-        like = out if owners is None else torch.empty_like(part)
-        merged = torch.empty_like(like).copy_(part / den.clamp_min(1).unsqueeze(-1))  # den: 0 or >= 1
+        merged = torch.empty_like(out if owners is None else part)  # den below: 0 or >= 1
+        merged.copy_(part / den.clamp_min(1).unsqueeze(-1))
         ctx.save_for_backward(q, k, v, bias, merged, lse, *state)
         ctx.scale, ctx.shards, ctx.owners, ctx.strides = scale, shards, owners, out.stride()
         return merged

@@ -37,13 +37,18 @@ CASES = {  # name -> (model, its options, box counts per sample, allowed fallbac
 }
 
 
+def _as(batch: dict, dtype: torch.dtype) -> dict:
+    """The batch's floating tensors in ``dtype``."""
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+
+
 def _case(name, bev_shard=None):
     make, options, boxes, allowed = CASES[name]
     torch.manual_seed(0)
     model = make(**options).double()
     temporal = options.get("temporal", False)
     batch = surround_batch(batch=len(boxes), cameras=2, height=32, width=96, boxes=boxes, temporal=temporal)
-    batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    batch = _as(batch, torch.float64)
 
     names = [k for k in ("images", "prev_images") if k in batch]  # sharded like the strategy's collate does
 
@@ -89,7 +94,7 @@ def _bev_plane_case(name: str, layout: str, mode: str):
     ours = copy.deepcopy(reference)
     height = 64 if layout == "2x2" else 32  # image rows for two ranks at the backbone's stride 32
     batch = surround_batch(batch=2, cameras=2, height=height, width=96, boxes=[3, 1])
-    batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    batch = _as(batch, torch.float64)
     decoded = []
 
     def loss(images):
@@ -134,7 +139,7 @@ def _bevformer_case(layout: str, mode: str | None, temporal: bool, dtype: torch.
         layer.register_forward_hook(lambda m, args, out: sharded.append(bool(getattr(out, "shard_layout", None))))
     height = 64 if layout == "2x2" else 32
     batch = surround_batch(batch=2, cameras=2, height=height, width=96, boxes=[3, 1], temporal=temporal)
-    batch = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    batch = _as(batch, dtype)
     names = [k for k in ("images", "prev_images") if k in batch]
 
     def loss(*images):
@@ -165,7 +170,7 @@ def _bev_rows_fewer_than_ranks():
     torch.manual_seed(0)
     model = BEVFormer.tiny(bev_size=(1, 8)).double()
     batch = surround_batch(batch=1, cameras=2, height=32, width=96, boxes=[2])
-    batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    batch = _as(batch, torch.float64)
     images = shard(batch["images"], axes("w2"))
     with entered(Run(fallback="error", bev_shard="x")), pytest.raises(LayoutError, match=r"has 1 cells along dim -2"):
         model({**batch, "images": images})

@@ -132,13 +132,11 @@ class BEVFormer(QueryDetector):
         shapes = [tuple(f.shape[-2:]) for f in levels]
         tokens = torch.cat([f.flatten(2).transpose(1, 2) + e for f, e in zip(levels, self.level_embedding)], 1)
         tokens = (tokens.unflatten(0, (b, n)) + self.camera_embedding[:, None]).flatten(0, 1)
-        reference, hit = self.pillars(lidar2img, images.shape[-2:])
+        reference, hit = (t.to(tokens.dtype) for t in self.pillars(lidar2img, images.shape[-2:]))
         queries = self.bev_queries.expand(b, -1, -1, -1)
         position = self.bev_position()
         for layer in self.bev_layers:
-            queries = layer(
-                queries, position, previous, tokens, shapes, reference.to(tokens.dtype), hit.to(tokens.dtype)
-            )
+            queries = layer(queries, position, previous, tokens, shapes, reference, hit)
         return queries
 
     def pillars(self, lidar2img: torch.Tensor, image_hw: Sequence[int]):

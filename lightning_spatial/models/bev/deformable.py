@@ -75,7 +75,7 @@ class TemporalSelfAttention(nn.Module):
         locations = locations.permute(0, 3, 4, 5, 1, 2, 6).reshape(b * 2 * heads, 1, points, nx, ny, 2)
         weights = weights.permute(0, 3, 4, 5, 1, 2).reshape(b * 2 * heads, 1, points, nx, ny)
         value = self.value(torch.stack([previous, queries], 1))  # (B, 2, X, Y, C)
-        value = value.unflatten(-1, (heads, c // heads)).permute(0, 1, 4, 5, 2, 3).reshape(-1, c // heads, nx, ny)
+        value = _head_maps(value, heads)
         out = deformable_sample([value], locations, weights).view(b, 2, c, nx, ny).mean(1)
         return self.output(out.permute(0, 2, 3, 1))
 
@@ -125,6 +125,13 @@ class SpatialCrossAttention(nn.Module):
         return self.output(out.permute(0, 2, 3, 1))
 
 
+def _head_maps(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Channels-last maps ``(..., X, Y, C)`` -> one map per head ``(... * heads, C / heads, X, Y)``, as
+    ``grid_sample`` reads them."""
+    nx, ny, c = x.shape[-3:]
+    return x.unflatten(-1, (heads, c // heads)).movedim((-4, -3), (-2, -1)).reshape(-1, c // heads, nx, ny)
+
+
 def _cell_centres(nx: int, ny: int, like: torch.Tensor) -> torch.Tensor:
     """(X, Y, 2) centres of an X x Y map's cells in [0, 1] as grid_sample reads them: (along Y, along X)."""
     x = (torch.arange(nx, device=like.device, dtype=like.dtype) + 0.5) / nx
@@ -165,9 +172,7 @@ class DeformableDecoderLayer(nn.Module):
         centre = reference[..., [1, 0]].to(q.dtype)  # (y, x): along the map's width (Y), then its height (X)
         locations = centre[:, :, None, None] + offsets / q.new_tensor([ny, nx])  # (B, Q, heads, P, 2)
         grid = (2 * locations - 1).permute(0, 2, 1, 3, 4).reshape(b * heads, nq, points, 2)
-        value = (
-            self.value(bev).unflatten(-1, (heads, c // heads)).permute(0, 3, 4, 1, 2).reshape(-1, c // heads, nx, ny)
-        )
+        value = _head_maps(self.value(bev), heads)
         # the queries' samples as one flat row each: a sharded BEV's partial sums are all-reduced, queries stay whole
         sampled = F.grid_sample(value, grid, mode="bilinear", padding_mode="zeros", align_corners=False).flatten(2)
         weights = weights.permute(0, 2, 1, 3).reshape(b * heads, 1, nq * points)
