@@ -72,6 +72,11 @@ def parse() -> argparse.Namespace:
         help="where a BEV detector's grid ends after its splat: replicated (none) or sharded over its cells "
         "(SpatialParallelStrategy(bev_shard=...))",
     )
+    p.add_argument(
+        "--bev-size",
+        default=None,
+        help="a BEV detector's grid, X,Y (e.g. 200,200; default: the module's own)",
+    )
     p.add_argument("--batch", type=int, default=7)
     p.add_argument("--height", type=int, default=512)
     p.add_argument("--widths", default="4096", help="comma list")
@@ -224,6 +229,7 @@ def _run_config(args, device, width: int, s: int, layout: str, precision: str, c
         "graphs": args.graphs,
         "compile": args.compile,
         "bev_shard": args.bev_shard,
+        "bev_size": args.bev_size,
     }
     gen = torch.Generator(device=device).manual_seed(rank)
     baseline = args.baseline != "0" and (not real or rank == 0)

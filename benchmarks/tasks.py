@@ -45,6 +45,8 @@ class DetectorTask:
         module = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV, "bevformer": BEVFormer}[name]
         self.make = module.tiny if tiny else module
         self.options = {"num_cameras": args.cameras} if module is BEVFormer else {}  # its camera embedding
+        if getattr(args, "bev_size", None):
+            self.options["bev_size"] = tuple(int(n) for n in args.bev_size.split(","))
         self.batch, self.cameras = args.batch, args.cameras
 
     def image_shape(self, height: int, width: int) -> tuple[int, ...]:
