@@ -75,8 +75,10 @@ def check(
             leaves.append((i, local, None))
             ours.append(local)
     # A run of its own: fallbacks are errors (an exact gather-and-run would hide a missing handler) unless allowed,
-    # then they warn, each once in this call
-    with entered(Run(fallback="warn" if allow_fallback else "error", bev_shard=bev_shard)):
+    # then they warn, each once in this call. It spans the backward too, as a strategy's run does: a checkpoint
+    # computes its forward again there.
+    run = Run(fallback="warn" if allow_fallback else "error", bev_shard=bev_shard)
+    with entered(run):
         out = op(*ours)
     outs = out if isinstance(out, tuple) else (out,)
     assert len(outs) == len(ref_outs)
@@ -101,7 +103,8 @@ def check(
     if not isinstance(ref_loss, torch.Tensor):  # no differentiable output
         return
     ref_loss.backward()
-    loss.backward()
+    with entered(run):
+        loss.backward()
     if modules is not None:
         _compare_parameter_grads(*modules, rtol)
     for i, local, layout in leaves:

@@ -8,10 +8,12 @@ needed. The sum's adjoint (an all-reduce) hands every rank the whole output grad
 exact locally and the grid gradient is a split over the group (``collectives``).
 
 The output is replicated, or sharded over its cells with ``bev_shard`` (``ops.pending``). A grid sharded along
-its point dims (BEV queries, over the input's ranks) is all-gathered (points are small), every rank samples all
-points in its own shard, and a reduce-scatter hands each point's sums to the rank that holds the point: the output
-is sharded like the grid. A grid sharded otherwise (its batch, or over other ranks) takes the exact gather
-fallback, with its warning.
+its point dims (BEV queries, over the input's ranks) gives an output sharded like the grid, by whichever moves
+less: the points are all-gathered (2 numbers a point), every rank samples all points in its own shard, and a
+reduce-scatter hands each point's sums (a channel vector a point) to the rank that holds the point; or, when the
+input is smaller than the samples and the grid is sharded over all of the input's axes, the input is all-gathered
+and every rank samples only its own points (BEVFormer's cross-attention: 1/S of the sampling on each rank). A grid
+sharded otherwise (its batch, or over other ranks) takes the exact gather fallback, with its warning.
 
 The taps' rows and weights cover every point of the grid on every rank (several times the grid's size, whatever S
 is): they are computed again in the backward from the grid (a checkpoint) instead of being kept, so a rank keeps only
@@ -32,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..fallback import fallback
 from ..layout import Layout
-from ..tensor import gather, unwrap
+from ..tensor import gather, unwrap, wrap
 from ._common import eager_backward, spatial_shards
 from .pending import pending, reduced_into
 
@@ -87,11 +89,14 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
     if layout is None or (points is not None and not _by_points(points, layout, grid.dim())):
         kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
         return fallback(F.grid_sample, (input, grid), kwargs)
+    if points is not None and _input_is_smaller(x, layout, unwrap(grid)[0], points):
+        kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
+        return wrap(F.grid_sample(gather(input), unwrap(grid)[0], **kwargs), _like_points(points))
     whole = gather(grid)  # a sharded grid: every rank samples every point in its own part of the input
     out = checkpoint(_sampled, x, whole, layout, mode, padding, align, use_reentrant=False)
     if points is None:
         return pending(out, layout.shards)  # replicated, or sharded like the grid's cells (ops.pending)
-    return _to_point_owners(out, layout, points)
+    return reduced_into(out, [s.axis for s in layout.shards], _like_points(points).shards)
 
 
 def _sampled(x, whole, layout: Layout, mode: str, padding: str, align: bool) -> torch.Tensor:
@@ -111,10 +116,20 @@ def _by_points(points: Layout, layout: Layout, ndim: int) -> bool:
     )
 
 
-def _to_point_owners(out: torch.Tensor, layout: Layout, points: Layout) -> torch.Tensor:
-    """Every rank's partial sums for all points -> each point's sums on the rank that holds it: the grid's layout,
-    one dim later (the output has channels where the grid has coordinates)."""
-    return reduced_into(out, [s.axis for s in layout.shards], [replace(s, dim=s.dim + 1) for s in points.shards])
+def _input_is_smaller(x: torch.Tensor, layout: Layout, grid: torch.Tensor, points: Layout) -> bool:
+    """Whether to gather the input rather than the points: when it is smaller than the samples (BEVFormer's
+    cross-attention samples 8 points per BEV query in maps a fraction of that size) and every point has one owner
+    (the grid sharded over all of the input's axes), each rank samples only its own points and nothing is reduced;
+    the input gradient's parts are summed (all-gather's adjoint)."""
+    if {s.axis.ranks for s in points.shards} != {s.axis.ranks for s in layout.shards}:
+        return False
+    samples = math.prod(x.shape[:2]) * math.prod(points.global_shape(grid)[1:-1])
+    return math.prod(layout.global_shape(x)) < samples
+
+
+def _like_points(points: Layout) -> Layout:
+    """The samples' layout: the grid's, one dim later (the output has channels where the grid has coordinates)."""
+    return Layout(tuple(replace(s, dim=s.dim + 1) for s in points.shards))
 
 
 def _shard_taps(x, layout, grid, mode: str, padding: str, align: bool):

@@ -204,14 +204,17 @@ def test_bad_input_raises_torchs_error_before_communicating():
     run_spmd(_bad_calls_rank0, 2, timeout=60)
 
 
-def _grid_by_points_case(layout: str, dtype: torch.dtype, form: str):
+def _grid_by_points_case(layout: str, dtype: torch.dtype, form: str, image_hw: tuple[int, int]):
     """BEV queries sampling a sharded image (Simple-BEV's lifting, BEVFormer's cross-attention by ``grid_sample``):
     the grid sharded along its point dims over the image's ranks (X over the first axis, Y over the second), its
     points flattened to query tokens (``(N, X*Y, 1, 2)``), or several points per query stacked as rows
-    (``(N, P*X, Y, 2)``, BEVFormer's deformable sampling). Each rank samples every point in its own image part; each
-    point's sums reach its owner (the output sharded like the grid). Outputs, image and grid gradients."""
+    (``(N, P*X, Y, 2)``, BEVFormer's deformable sampling). An image larger than the samples: each rank samples every
+    point in its own image part and each point's sums reach its owner; a smaller one: it is gathered and each rank
+    samples its own points. Either way the output is sharded like the grid. Outputs, image and grid gradients."""
+    from lightning_spatial.ops import sample
+
     torch.manual_seed(0)
-    image = torch.randn(2, 3, 6, 10, dtype=dtype)
+    image = torch.randn(2, 3, *image_hw, dtype=dtype)
     grid = (torch.rand(2, 3, 5, 4, 2, dtype=dtype) * 2.4 - 1.2).requires_grad_()  # some points outside the image
     if form != "stacked":
         grid = grid[:, 0].detach().requires_grad_()  # one point per query
@@ -225,11 +228,14 @@ def _grid_by_points_case(layout: str, dtype: torch.dtype, form: str):
             g = g.flatten(1, 2).unsqueeze(2)  # (N, X*Y, 1, 2) query tokens, one point each
         if form == "stacked":
             g = g.flatten(1, 2)  # (N, P*X, Y, 2): the points of every query stacked as rows
-        out = F.grid_sample(x, g, mode="bilinear", padding_mode="zeros", align_corners=False)
+        with patch.object(sample, "_shard_taps", lambda *a: taps.append(1) or shard_taps(*a)):
+            out = F.grid_sample(x, g, mode="bilinear", padding_mode="zeros", align_corners=False)
         if isinstance(x, SpatialTensor):
             assert isinstance(out, SpatialTensor) and len(out.shard_layout.shards) == len(by_points), out
+            assert bool(taps) == (image.numel() >= out.numel()), (image.shape, out.shape)  # global shapes
         return out.unflatten(2, (3, 5)) if form == "stacked" else out
 
+    taps, shard_taps = [], sample._shard_taps  # taps of a shard: the points were gathered, not the image
     if form == "tokens" and len(by_points) == 2:  # 2-D tiles flatten into two sharded factors of one token dim
         with pytest.raises(LayoutError, match="grid_sample"):
             check(op, [image, grid], sharded=[0], axes=ax)  # fallbacks are errors: the exact fallback was chosen
@@ -238,11 +244,12 @@ def _grid_by_points_case(layout: str, dtype: torch.dtype, form: str):
         check(op, [image, grid], sharded=[0], axes=ax)
 
 
+@pytest.mark.parametrize("image_hw", [(8, 12), (4, 4)], ids=["larger_image", "smaller_image"])
 @pytest.mark.parametrize("form", ["map", "tokens", "stacked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
-def test_a_grid_sharded_by_points(layout, dtype, form):
-    run_spmd(_grid_by_points_case, LAYOUTS[layout][0], layout, dtype, form)
+def test_a_grid_sharded_by_points(layout, dtype, form, image_hw):
+    run_spmd(_grid_by_points_case, LAYOUTS[layout][0], layout, dtype, form, image_hw)
 
 
 def _grid_over_other_ranks_case():
