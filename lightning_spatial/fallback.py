@@ -40,7 +40,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     flat, _ = tree_flatten((args, kwargs))
     operands = [t for t in flat if isinstance(t, tensor.SpatialTensor)]
     layout, shape = operands[0]._layout, operands[0]._layout.global_shape(operands[0].to_local())
-    _announce(func, operands)
+    announce(func, operands)
     full_args, full_kwargs = tree_map(
         lambda t: tensor.gather(t) if isinstance(t, tensor.SpatialTensor) else t, (args, kwargs)
     )
@@ -60,7 +60,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     return tree_map(reshard, out)
 
 
-def _announce(func: Callable, operands: list) -> None:
+def announce(func: Callable, operands: list) -> None:
     """Name the op, the layer and the bytes a fallback gathers: a warning (once per op and layer and run) or, in
     ``"error"`` mode, an error raised before any communication."""
     run = current()
@@ -111,9 +111,7 @@ def _caller_level() -> int:
 
 
 def _global_bytes(t) -> int:
-    with tensor._Plain():
-        local = t.shape
-    return t._layout.global_shape(local).numel() * t.element_size()
+    return t.nbytes  # the global tensor's (a shard answers for it; so does a selection of rows, ops.selection)
 
 
 def size_text(n: float) -> str:
@@ -162,4 +160,4 @@ def is_inplace(func: Callable) -> bool:
     )
 
 
-__all__ = ["SpatialFallbackWarning", "fallback", "is_inplace", "name_of", "size_text"]
+__all__ = ["SpatialFallbackWarning", "announce", "fallback", "is_inplace", "name_of", "size_text"]

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_spatial import SpatialTensor, gather, shard
+from lightning_spatial.ops.selection import Selection
 from lightning_spatial.primitives import wrap
 from lightning_spatial.run import Run, entered
 
@@ -92,7 +93,10 @@ def check(
             continue
         g = torch.randn(r.shape, generator=upstream, dtype=r.dtype)
         ref_loss = ref_loss + (r * g).sum()
-        if isinstance(o, SpatialTensor):
+        if isinstance(o, Selection):  # rows of a boolean-mask selection: each rank weighs its own
+            copies = world // torch.Size([a.size for a in o.axes]).numel()
+            loss = loss + (o.to_local() * g[o.positions]).sum() / copies
+        elif isinstance(o, SpatialTensor):
             layout = o.shard_layout
             copies = world // torch.Size([s.axis.size for s in layout.shards]).numel()
             loss = loss + (o.to_local() * layout.take_local(g)).sum() / copies

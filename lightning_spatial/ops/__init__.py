@@ -22,6 +22,7 @@ from . import (
     sample,
     scan,
     select,
+    selection,
     shape,
 )
 
@@ -47,6 +48,7 @@ FAMILIES = (
     attention,
     index,
     select,
+    selection,
 )
 
 

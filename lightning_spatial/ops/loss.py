@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +45,33 @@ def _l1_weight() -> torch.Tensor | None:
     return None
 
 
-def _loss(fn):
+@dataclass(frozen=True)
+class Placed:
+    """A loss's operands as this rank holds them, and what its per-element terms are part of: the ``axes`` a sum
+    of them is all-reduced over, their global ``count`` (the 'mean' denominator) and ``keep``, the terms as
+    ``reduction='none'`` returns them. Shards (``on_layout``) and selected rows (``ops.selection``) differ only
+    here."""
+
+    operands: list
+    axes: tuple
+    count: Callable[[torch.Tensor], int]
+    keep: Callable[[torch.Tensor], torch.Tensor]
+
+
+def on_layout(fn, operands) -> Placed:
+    """Operands sharded alike, replicated ones cut to this rank's part (``localize``); all replicated: as they are."""
+    if not any(isinstance(t, SpatialTensor) for t in operands):
+        return Placed(list(operands), (), torch.Tensor.numel, lambda t: t)
+    layout = common_layout(fn, operands)
+    return Placed(
+        [unwrap(localize(fn, t, layout))[0] for t in operands],
+        layout.shards,
+        lambda t: layout.global_shape(t).numel(),
+        lambda t: adopt(t, layout),
+    )
+
+
+def _loss(fn, place: Callable[..., Placed]):
     first, second = list(inspect.signature(fn).parameters)[:2]  # prediction and target
     elementwise = _ELEMENTWISE_WEIGHTS.get(fn, ())
 
@@ -58,23 +86,21 @@ def _loss(fn):
         if isinstance(params.get("weight"), SpatialTensor) and "weight" not in elementwise:
             raise LayoutError(f"{fn.__name__}: weight (per class) is sharded; pass it replicated")
         names = [first, second, *(n for n in elementwise if params.get(n) is not None)]
-        layout = common_layout(fn, [params[n] for n in names])
-        for n in names:  # per-element weights follow the prediction's rows, like the target
-            params[n] = unwrap(localize(fn, params[n], layout))[0]
+        placed = place(fn, [params[n] for n in names])  # per-element weights follow the prediction, like the target
+        params.update(zip(names, placed.operands))
         x, target = params[first], params[second]
         per_element = fn(**{**params, "reduction": "none"})
-        shards = list(layout.shards)
         if reduction == "none":
-            return adopt(per_element, layout)
-        total = across(per_element.sum(), shards)
+            return placed.keep(per_element)
+        total = across(per_element.sum(), placed.axes)
         if reduction == "sum":
             return total
-        if fn in (F.cross_entropy, F.nll_loss) and not target.is_floating_point():
-            denominator = across(_weighted_count(target, params.get("weight"), params["ignore_index"], x), shards)
+        if fn in CLASS_TARGETS and not target.is_floating_point():
+            denominator = across(_weighted_count(target, params.get("weight"), params["ignore_index"], x), placed.axes)
         elif fn in (F.mse_loss, F.l1_loss) and params.get("weight") is not None:  # torch: sum(w * e) / sum(w)
-            denominator = across(params["weight"].sum(), shards)
+            denominator = across(params["weight"].sum(), placed.axes)
         else:
-            denominator = layout.global_shape(per_element).numel()
+            denominator = placed.count(per_element)
         return total / denominator
 
     loss.__name__ = fn.__name__
@@ -101,6 +127,14 @@ LOSSES = (
     F.huber_loss,
 )
 
-HANDLERS = {fn: bound(_loss(fn), fn)[fn] for fn in LOSSES}
+CLASS_TARGETS = (F.cross_entropy, F.nll_loss)  # a target of class indices: one dim fewer than the prediction
 
-__all__ = ["HANDLERS"]
+
+def losses(place: Callable[..., Placed]) -> dict:
+    """Handlers of every loss in ``LOSSES`` whose operands ``place`` puts where this rank computes its terms."""
+    return {fn: bound(_loss(fn, place), fn)[fn] for fn in LOSSES}
+
+
+HANDLERS = losses(on_layout)
+
+__all__ = ["CLASS_TARGETS", "HANDLERS", "LOSSES", "Placed", "losses", "on_layout"]

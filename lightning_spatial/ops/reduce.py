@@ -75,13 +75,18 @@ def _count(layout: Layout, x: torch.Tensor, dims) -> int:
     return math.prod([shape[d] for d in dims])
 
 
+def refuse_integer_mean(kind: str, x: torch.Tensor, dtype) -> None:
+    """torch's own error for the mean of integers without a floating ``dtype``."""
+    if kind == "mean" and dtype is None and not (x.is_floating_point() or x.is_complex()):
+        torch.mean(torch.empty(0, dtype=x.dtype, device="meta"))
+
+
 def _reduction(kind: str):
     """sum, mean, amax, amin."""
 
     def reduce(input, dim=None, keepdim=False, dtype=None):
         x, layout, dims, shards = _operands(input, dim)
-        if kind == "mean" and dtype is None and not (x.is_floating_point() or x.is_complex()):
-            torch.mean(torch.empty(0, dtype=x.dtype, device="meta"))  # torch's own error for an integer mean
+        refuse_integer_mean(kind, x, dtype)
         options = {"dtype": dtype} if dtype is not None else {}
         if not shards:  # only unsharded dims: torch's own op on the shard
             return adopt(getattr(torch, kind)(x, dims, keepdim, **options), reduced_layout(layout, dims, keepdim))
@@ -263,10 +268,10 @@ def _logical(kind: str):
     return logical
 
 
-def _agree(local: bool, layout, device) -> bool:
-    """True iff every rank of the layout's axes found ``local`` true: one boolean all-reduce."""
+def agree(local: bool, axes, device) -> bool:
+    """True iff every rank of ``axes`` (or of the shards' axes) found ``local`` true: one boolean all-reduce."""
     flag = torch.tensor([local], dtype=torch.uint8, device=device)
-    return bool(across_detached(flag, layout.shards, MIN))
+    return bool(across_detached(flag, axes, MIN))
 
 
 def _pair(func, input, other):
@@ -286,7 +291,7 @@ def equal(input, other):
     if pair is None:
         return fallback(torch.equal, (input, other), {})
     layout, a, b = pair
-    return _agree(torch.equal(unwrap(a)[0], unwrap(b)[0]), layout, a.device)
+    return agree(torch.equal(unwrap(a)[0], unwrap(b)[0]), layout.shards, a.device)
 
 
 def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
@@ -295,7 +300,7 @@ def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
         return fallback(torch.allclose, (input, other, rtol, atol, equal_nan), {})
     layout, a, b = pair
     local = torch.allclose(unwrap(a)[0], unwrap(b)[0], rtol, atol, equal_nan)
-    return _agree(local, layout, a.device)
+    return agree(local, layout.shards, a.device)
 
 
 def _registrations() -> dict:
@@ -321,4 +326,4 @@ def _registrations() -> dict:
 
 HANDLERS = _registrations()
 
-__all__ = ["HANDLERS", "normalize_dims", "reduced_layout"]
+__all__ = ["HANDLERS", "agree", "normalize_dims", "reduced_layout", "refuse_integer_mean"]

@@ -1,0 +1,233 @@
+"""Boolean masks over sharded dims (``x[mask]``, ``x[mask] = v``, ``masked_select``, ``masked_scatter``,
+``nonzero``) and what a selection of rows does next (element-wise ops, sums and means, losses), against one process:
+outputs and every gradient, on w2, w3 (uneven), h2 and 2x2, fp32 and float64, fallbacks as errors. Masks are
+random with rows that select nothing, and one selects only a corner, so that some ranks hold no rows; an FCOS-like
+box loss selects foreground tokens of a flattened map. Ops a selection has no handler for, and selections of two
+different masks meeting, take the exact fallback (an error in "error" mode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_spatial import LayoutError, SpatialFallbackWarning, shard
+from lightning_spatial.ops.selection import Selection
+from lightning_spatial.run import Run, entered
+from tests.ops.cases import DTYPES, check_cases
+from tests.oracle import check
+from tests.spmd import LAYOUTS, axes, run_spmd
+
+B, C, H = 2, 3, 5
+
+
+def _w(layout: str) -> int:
+    return 7 if layout == "w3" else 6
+
+
+def _map(layout, channels=C):
+    return torch.randn(B, channels, H, _w(layout))
+
+
+def _mask(layout, *lead):
+    """Random, with a row and a column of every sample selecting nothing."""
+    m = torch.rand(*lead, B, H, _w(layout)) > 0.5
+    m[..., 1, :] = False
+    m[..., :, 2] = False
+    return m[0] if lead else m
+
+
+def _corner(layout):
+    """Only the top-left corner: every rank but the first holds no rows (w2, w3, h2, 2x2)."""
+    m = torch.zeros(B, H, _w(layout), dtype=torch.bool)
+    m[:, :2, :2] = torch.rand(B, 2, 2) > 0.3
+    m[0, 0, 0] = True
+    return m
+
+
+def _channels_last(x):
+    return x.permute(0, 2, 3, 1)
+
+
+def _losses(x, m, target, labels):
+    rows = _channels_last(x)[m]  # (K, C)
+    return (
+        rows * 2,
+        F.l1_loss(rows, target),
+        F.mse_loss(rows, target, reduction="sum"),
+        F.smooth_l1_loss(rows, target, beta=0.5),
+        F.binary_cross_entropy_with_logits(rows, target.sigmoid()),
+        F.cross_entropy(rows, labels),
+        F.l1_loss(rows, target, reduction="none"),
+    )
+
+
+def _with_rows(make_mask):
+    """x, a sharded mask, a replicated target of the mask's K rows and class labels."""
+
+    def make(layout):
+        m = make_mask(layout)
+        k = int(m.sum())
+        return [_map(layout), m, torch.randn(k, C), torch.randint(0, C, (k,))]
+
+    return make
+
+
+def _assign(x, m, target, labels):
+    y = _channels_last(x) * 1.0  # a new channels-last map to write into
+    y[m] = y[m] * 2  # a Selection of the same mask
+    z = x * 1.0
+    _channels_last(z)[m] = 0.0  # through a view
+    w = _channels_last(x) * 1.0
+    w[m] = target  # a replicated value of K rows
+    v = _channels_last(x) * 1.0
+    v[m] = target[0]  # a replicated value broadcast over the rows
+    return y, z, w, v
+
+
+def _reductions(x, m, target, labels):
+    rows = _channels_last(x)[m]
+    return rows.sum(), rows.mean(), rows.sum(0), torch.mean(rows, dim=0), rows.sum(-1), rows.mean((0, 1), keepdim=True)
+
+
+def _elementwise(x, m, target, labels):
+    rows = _channels_last(x)[m]
+    other = (_channels_last(x) * 3)[m]  # another selection of the same mask: the same rows
+    weight = target[0]  # (C,): broadcast over the rows
+    return (
+        rows * weight + target,
+        torch.where(rows > 0, rows, target).sigmoid(),
+        (rows - other).abs() / 2,
+        rows[:, 1:],
+        rows[..., 0] * 3,
+    )
+
+
+def _fcos(pred_map, target_map, labels):
+    """torchvision's FCOS box loss: foreground tokens of (N, HW, 4) token maps, summed, over the foreground count."""
+    pred = pred_map.flatten(2).transpose(1, 2)
+    target = target_map.flatten(2).transpose(1, 2)
+    fg = (labels > 0).flatten(1)
+    return F.l1_loss(pred[fg], target[fg], reduction="sum") / max(1, fg.sum())
+
+
+def _fcos_replicated_target(pred_map, labels, target):
+    pred = pred_map.flatten(2).transpose(1, 2)
+    fg = (labels > 0).flatten(1)
+    return F.l1_loss(pred[fg], target[fg], reduction="sum") / max(1, fg.sum()), pred[fg].sum(-1)
+
+
+def _labels(layout):
+    return torch.randint(0, 3, (B, H, _w(layout))) * _mask(layout)
+
+
+def _full_mask(layout):
+    return torch.rand(B, C, H, _w(layout)) > 0.4
+
+
+CASES = {
+    "select_channels_last_then_losses": (_with_rows(_mask), _losses, [0, 1]),
+    "a_rank_selects_nothing": (_with_rows(_corner), _losses, [0, 1]),
+    "a_replicated_mask": (_with_rows(_mask), _losses, [0]),
+    "assign_under_a_mask": (_with_rows(_mask), _assign, [0, 1]),
+    "sum_and_mean_of_rows": (_with_rows(_mask), _reductions, [0, 1]),
+    "elementwise_on_rows": (_with_rows(_corner), _elementwise, [0, 1]),
+    "masked_select_then_sum": (
+        lambda lay: [_map(lay), _full_mask(lay)],
+        lambda x, m: (torch.masked_select(x, m).sum(), x.masked_select(m) * 2),
+        [0, 1],
+    ),
+    "masked_scatter": (
+        lambda lay: [_map(lay), _full_mask(lay), torch.randn(B * C * H * _w(lay) + 3)],
+        lambda x, m, src: (x.masked_scatter(m, src), x.masked_scatter(m, x[m] * 3), (x * 1.0).masked_scatter_(m, src)),
+        [0, 1],
+    ),
+    "masked_fill": (
+        lambda lay: [_map(lay), _full_mask(lay), _mask(lay)],
+        lambda x, m, m3: (x.masked_fill(m, 0.5), x.masked_fill(m3[:, None], -1.0)),
+        [0, 1, 2],
+    ),
+    "nonzero_coordinates": (
+        lambda lay: [_mask(lay)],
+        lambda m: (torch.nonzero(m), *m.nonzero(as_tuple=True), *torch.where(m), torch.argwhere(m)),
+        [0],
+    ),
+    "index_with_coordinates": (
+        _with_rows(_mask),
+        lambda x, m, target, labels: (
+            F.mse_loss(_channels_last(x)[torch.nonzero(m).unbind(1)], target),
+            _channels_last(x)[torch.where(m)] - _channels_last(x)[m],  # the same rows as the mask's
+            x.sum(1)[torch.where(m)],
+        ),
+        [0, 1],
+    ),
+    "fcos_box_loss_over_tokens": (
+        lambda lay: [_map(lay, 4), _map(lay, 4), _labels(lay)],
+        _fcos,
+        [0, 1, 2],
+    ),
+    "fcos_box_loss_replicated_target": (
+        lambda lay: [_map(lay, 4), _labels(lay), torch.randn(B, H * _w(lay), 4)],
+        _fcos_replicated_target,
+        [0, 1],
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_masks_over_sharded_dims_match_one_device(layout, dtype):
+    run_spmd(check_cases, LAYOUTS[layout][0], layout, dtype, CASES)
+
+
+def _fallbacks(layout):
+    mesh_axes = axes(layout)
+    torch.manual_seed(0)
+    x, m = _map(layout).double(), _mask(layout)
+    other = m.flatten().flip(0).view(m.shape)  # as many rows, other ones
+    fewer = m & (torch.arange(m.numel()).view(m.shape) % 3 > 0)
+    assert int(other.sum()) == int(m.sum()) != int(fewer.sum()) and not torch.equal(other, m)
+    ops = {
+        "Tensor.cumsum": lambda x, m, o, f: _channels_last(x)[m].cumsum(0),
+        "Tensor.sort": lambda x, m, o, f: _channels_last(x)[m].sort(0).values,
+        "Tensor.add": lambda x, m, o, f: _channels_last(x)[m] + _channels_last(x)[o],  # two masks: other rows
+        "Tensor.sub": lambda x, m, o, f: _channels_last(x)[m] - _channels_last(x)[f],  # another count
+    }
+    for name, op in ops.items():
+        with entered(Run(fallback="error")):
+            with pytest.raises(LayoutError, match=f"{name}.*no spatial handler"):
+                op(*(shard(t, mesh_axes) for t in (x, m, other, fewer)))
+        if name == "Tensor.sub":  # another count: torch's own error on one device
+            continue
+        with pytest.warns(SpatialFallbackWarning, match=name):
+            check(op, [x, m, other, fewer], [0, 1, 2, 3], mesh_axes, allow_fallback=True)
+    with entered(Run(fallback="error")):  # a mask sharded along another dim than x
+        along_h = shard(m, {-2: next(iter(mesh_axes.values()))})
+        with pytest.raises(LayoutError, match="Tensor.__getitem__ has no spatial handler"):
+            _channels_last(shard(x, mesh_axes))[along_h]
+    # one mask, two tensors: the same rows, told apart by one boolean all-reduce, not a fallback
+    check(lambda x, m: _channels_last(x)[m] * _channels_last(x)[m.clone()], [x, m], [0, 1], mesh_axes)
+
+
+@pytest.mark.parametrize("layout", ["w3", "2x2"])
+def test_other_ops_and_other_rows_take_the_fallback(layout):
+    run_spmd(_fallbacks, LAYOUTS[layout][0], layout)
+
+
+def _reports(layout):
+    mesh_axes = axes(layout)
+    torch.manual_seed(0)
+    x, m = _map(layout), _mask(layout)
+    with entered(Run(fallback="error")):
+        rows = shard(x, mesh_axes).permute(0, 2, 3, 1)[shard(m, mesh_axes)]
+        k = int(m.sum())
+        assert isinstance(rows, Selection) and rows.shape == (k, C) and rows.size(0) == len(rows) == k
+        assert rows.numel() == k * C and rows.dim() == 2 and rows.count == k
+        local = rows.to_local()
+        assert local.shape[0] == rows.positions.numel() <= k  # this rank's rows only
+        assert torch.equal(local, x.permute(0, 2, 3, 1)[m][rows.positions])
+
+
+@pytest.mark.parametrize("layout", ["w3", "2x2"])
+def test_a_selection_reports_the_global_shape_and_holds_its_own_rows(layout):
+    run_spmd(_reports, LAYOUTS[layout][0], layout)
