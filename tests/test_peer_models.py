@@ -137,3 +137,72 @@ def _effdet_case(layout: str) -> None:
 @pytest.mark.parametrize("layout", ["w2", "2x2"])
 def test_efficientdet_trains_spatially_and_exactly(layout):
     run_spmd(_effdet_case, LAYOUTS[layout][0], layout, timeout=600)
+
+
+def _detector(name: str) -> torch.nn.Module:
+    """torchvision's one-stage detector ``name`` (``FCOS``, ``RetinaNet``) as its builders make it, smaller: a
+    ResNet-18 trunk under torchvision's ``BackboneWithFPN`` (64 channels, strides 8 to 64: at 128 x 128 the coarsest
+    level is 2 x 2, a row and a column per rank on 2x2), anchors for those four levels, three classes."""
+    from torchvision.models.detection import FCOS, RetinaNet
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.models.detection.backbone_utils import BackboneWithFPN
+    from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
+
+    trunk = torchvision.models.resnet18(weights=None)
+    layers = {"layer2": "0", "layer3": "1", "layer4": "2"}
+    backbone = BackboneWithFPN(trunk, layers, [128, 256, 512], 64, extra_blocks=LastLevelMaxPool())
+    if name == "fcos":  # one anchor a location, its size the level's stride (torchvision's FCOS default, 4 levels)
+        anchors = AnchorGenerator(((8,), (16,), (32,), (64,)), ((1.0,),) * 4)
+        return FCOS(backbone, num_classes=3, anchor_generator=anchors)
+    sizes = tuple((s, int(s * 2 ** (1 / 3)), int(s * 2 ** (2 / 3))) for s in (16, 32, 64, 128))  # its default, 4 levels
+    return RetinaNet(backbone, num_classes=3, anchor_generator=AnchorGenerator(sizes, ((0.5, 1.0, 2.0),) * 4))
+
+
+def _detector_case(layout: str, name: str) -> None:
+    """The training loss of torchvision's ``FCOS`` / ``RetinaNet``, unchanged: the backbone on a sharded batch, the
+    head's token outputs ``(N, HWA, K)`` (every level's flattened map, level after level: token sets), replicated
+    anchors and targets, and torchvision's own ``compute_loss``: foreground masks over the tokens (``x[fg]``,
+    ``gt[fg, labels[fg]] = 1``), ``sigmoid_focal_loss``, GIoU (FCOS) or L1 (RetinaNet) box losses and FCOS's
+    centerness BCE on the selected rows. The model's ``GeneralizedRCNNTransform`` (resizing a list of images) is left
+    out: the lines of ``loss`` below from ``features = ...`` to ``compute_loss`` are those of torchvision's
+    ``FCOS.forward`` / ``RetinaNet.forward`` in training, with ``images.tensors`` the batch ``x`` and ``images`` an
+    ``ImageList`` of it. The loss terms, every parameter's gradient and every BatchNorm buffer equal one process's,
+    no op gathers."""
+    from torchvision.models.detection.image_list import ImageList
+
+    torch.manual_seed(0)
+    model = _detector(name).double().train()
+    models = {False: model, True: copy.deepcopy(model)}
+    x = torch.randn(2, 3, 128, 128, dtype=torch.float64)
+    targets = [  # x1, y1, x2, y2; the second image has no objects
+        {
+            "boxes": torch.tensor([[10.0, 20.0, 60.0, 90.0], [40.0, 30.0, 120.0, 100.0], [70.0, 5.0, 90.0, 40.0]]),
+            "labels": torch.tensor([1, 2, 0]),
+        },
+        {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)},
+    ]
+    targets = [{"boxes": t["boxes"].double(), "labels": t["labels"]} for t in targets]
+
+    def loss(x):
+        model = models[isinstance(x, SpatialTensor)]
+        images = ImageList(x, [tuple(x.shape[-2:])] * x.shape[0])
+        # torchvision's forward from here (images.tensors: x)
+        features = model.backbone(images.tensors)
+        features = list(features.values())
+        head_outputs = model.head(features)
+        anchors = model.anchor_generator(images, features)
+        if name == "fcos":
+            num_anchors_per_level = [x.size(2) * x.size(3) for x in features]
+            losses = model.compute_loss(targets, head_outputs, anchors, num_anchors_per_level)
+        else:
+            losses = model.compute_loss(targets, head_outputs, anchors)
+        return tuple(losses.values())
+
+    with fallback_mode("error"):
+        check(loss, [x], sharded=[0], axes=axes(layout), modules=(models[False], models[True]))
+
+
+@pytest.mark.parametrize("layout", ["w2", "2x2"])
+@pytest.mark.parametrize("name", ["fcos", "retinanet"])
+def test_torchvision_one_stage_detector_losses_train_spatially_and_exactly(name, layout):
+    run_spmd(_detector_case, LAYOUTS[layout][0], layout, name, timeout=600)

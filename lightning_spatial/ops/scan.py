@@ -6,6 +6,11 @@ is its scan along the innermost factor plus, for every outer factor, the exclusi
 totals over all factors inside it. A scan along a sharded factor is the local scan plus the sum of the earlier
 ranks' totals (one all-gather of one row per rank); a total over sharded inner factors is one all-reduce. So a
 rank exchanges a few rows of totals, and its tokens stay where they are. Differentiable through both collectives.
+
+A token dim of several token sets one after another (``Layout.segments``: the levels of a feature pyramid
+concatenated) is scanned set by set, each as above, and each set's scan starts from the earlier sets' totals (one
+all-reduce of a row per set), so the order is the single-device one: set after set, each set's tokens in its own
+global order.
 """
 
 from __future__ import annotations
@@ -13,8 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives import across, all_gather
-from ..fallback import fallback
-from ..layout import DimShard
+from ..layout import DimShard, Layout
 from ..tensor import adopt, on_shard, unwrap
 from ._binding import bound
 from ._common import bad_or_fallback
@@ -27,12 +31,26 @@ def cumsum(input, dim, dtype=None):
     dim = dim % x.dim() - x.dim()
     if not layout.on(dim):
         return adopt(on_shard(torch.cumsum, input, dim, dtype=dtype), layout)
-    if layout.segments(dim) is not None:  # token sets one after another: the exact fallback
-        return fallback(torch.cumsum, (input, dim), {"dtype": dtype})
     if dtype is None and not (x.is_floating_point() or x.is_complex()):
         dtype = torch.int64  # as torch: integral and boolean inputs sum in int64
     if dtype is not None:
         x = x.to(dtype)
+    sets = layout.segments(dim)
+    if sets is None:
+        return adopt(_scan_dim(x, dim, layout), layout)
+    others = tuple(s for s in layout.shards if s.dim != dim)
+    parts = x.split(layout.local_sizes(dim), dim)
+    scans, before = [], None
+    for part, one in zip(parts, sets):  # set after set: each set's scan plus the earlier sets' totals
+        scan = _scan_dim(part, dim, Layout(others + one.shards))
+        scans.append(scan if before is None else scan + before)
+        total = across(part.sum(dim, keepdim=True), one.shards)
+        before = total if before is None else before + total
+    return adopt(torch.cat(scans, dim), layout)
+
+
+def _scan_dim(x: torch.Tensor, dim: int, layout: Layout) -> torch.Tensor:
+    """The inclusive scan of local ``x`` along sharded ``dim`` of one token set (its factors)."""
     factors = layout.factors(dim)
     pos = x.dim() + dim
     runs = x.unflatten(pos, [s.stop - s.start if s else n for n, s in factors])  # one local dim per factor
@@ -43,7 +61,7 @@ def cumsum(input, dim, dtype=None):
             runs.sum(tuple(range(pos + k + 1, last + 1)), keepdim=True), [s for _, s in factors[k + 1 :] if s]
         )
         out = out + _scan(totals, pos + k, factors[k][1], exclusive=True)
-    return adopt(out.flatten(pos, last), layout)
+    return out.flatten(pos, last)
 
 
 def _scan(t: torch.Tensor, dim: int, shard: DimShard | None, exclusive: bool) -> torch.Tensor:

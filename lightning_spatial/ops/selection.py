@@ -31,7 +31,7 @@ from ..collectives import across, across_detached
 from ..fallback import announce, fallback, is_inplace
 from ..layout import Layout
 from ..mesh import Axis
-from ..tensor import SpatialTensor, _Plain, adopt, on_shard
+from ..tensor import SpatialTensor, _Plain, adopt, on_shard, wrap
 from . import loss, shape
 from ._binding import bound
 from .elementwise import LAYOUT_PRESERVING, POINTWISE
@@ -44,12 +44,16 @@ from .reduce import agree, normalize_dims, refuse_integer_mean
 @dataclass(frozen=True, eq=False)
 class Rows:
     """Which rows of a selection this rank holds: ``positions`` (int64, each local row's index in the single-device
-    result), ``count`` (K, all ranks' rows) and the ``axes`` they are spread over. Compared by identity: rows of one
-    mask are one object."""
+    result), ``count`` (K, all ranks' rows) and the ``axes`` they are spread over; ``flags`` and ``layout``, the
+    mask that selected them (this rank's part, booleans) and how it is sharded, so that a mask over the rows
+    (``sel[sel > 0]``) selects from the same elements (``None`` for rows taken by integer indices). Compared by
+    identity: rows of one mask are one object."""
 
     positions: torch.Tensor
     count: int
     axes: tuple[Axis, ...]
+    flags: torch.Tensor | None = None
+    layout: Layout | None = None
 
 
 class Selection(SpatialTensor):
@@ -171,17 +175,57 @@ def rows_of(mask: torch.Tensor, layout: Layout) -> Rows:
     cached = _ROWS.get(mask)
     if cached is not None and cached[0] == mask._version and cached[1] == layout:
         return cached[2]
-    flags = mask if mask.dtype == torch.bool else mask != 0
-    if isinstance(flags, SpatialTensor):
-        order = torch.cumsum(flags.flatten(), 0).to_local()  # the global running count, local entries (ops.scan)
-        count = across_detached(flags.to_local().sum().reshape(1), layout.shards)
+    mine = local_flags(mask, layout)
+    if isinstance(mask, SpatialTensor):
+        order, count = _running_count(mine, layout)
     else:
+        flags = mask if mask.dtype == torch.bool else mask != 0
         order = layout.take_local(flags.flatten().cumsum(0).view(flags.shape)).reshape(-1)
         count = flags.sum()
-    axes = tuple(s.axis for s in layout.shards)  # in the layout's order: the same on every rank
-    rows = Rows(order[local_flags(mask, layout).reshape(-1)] - 1, int(count), axes)
+    rows = _rows(order, count, mine, layout)
     _ROWS[mask] = (mask._version, layout, rows)
     return rows
+
+
+def _rows(order: torch.Tensor, count, flags: torch.Tensor, layout: Layout) -> Rows:
+    axes = tuple(s.axis for s in layout.shards)  # in the layout's order: the same on every rank
+    return Rows(order[flags.reshape(-1)] - 1, int(count), axes, flags, layout)
+
+
+def _running_count(flags: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global running count of a sharded mask in single-device (row-major) order at this rank's elements
+    (``flags``, flattened), and the total. Token sets one after another (``Layout.segments``, the only sharded dim
+    then: ``_mask_of``): per leading index, set after set (``torch.cumsum`` along the token dim, ``ops.scan``), the
+    earlier leading indices' totals added (one all-reduce of a count per leading index)."""
+    (dim, *more) = layout.dims
+    if layout.segments(dim) is None:
+        order = torch.cumsum(wrap(flags, layout).flatten(), 0).to_local()  # local entries (ops.scan)
+        return order, across_detached(flags.sum().reshape(1), layout.shards)
+    assert not more, "a mask over token sets is sharded along its token dim only (_mask_of)"
+    pos = flags.dim() + dim
+    grid = flags.reshape(math.prod(flags.shape[:pos]), flags.shape[pos], -1).to(torch.int64)  # lead, tokens, trail
+    per_token = grid.sum(-1)
+    along = torch.cumsum(wrap(per_token, layout.moved({dim: -1})), -1).to_local()  # inclusive, set after set
+    totals = across_detached(per_token.sum(-1), layout.shards)  # per leading index
+    order = (totals.cumsum(0) - totals)[:, None, None] + (along - per_token)[..., None] + grid.cumsum(-1)
+    return order.reshape(-1), totals.sum()
+
+
+_SUBROWS = WeakIdKeyDictionary()  # a mask over a selection's rows -> (its version, those rows, the rows it picks)
+
+
+def sub_rows(rows: Rows, mask: torch.Tensor) -> Rows:
+    """The rows a boolean mask over a selection's rows picks (``sel[sel > 0]``): the selecting mask with the rows
+    left out turned off, its running count as ``rows_of`` counts. ``mask``: a Selection of ``rows`` or a replicated
+    tensor of their ``K`` flags."""
+    cached = _SUBROWS.get(mask)
+    if cached is not None and cached[0] == mask._version and cached[1] is rows:
+        return cached[2]
+    flags = rows.flags.clone()
+    flags[rows.flags] = _row_flags(rows, mask)
+    out = _rows(*_running_count(flags, rows.layout), flags, rows.layout)
+    _SUBROWS[mask] = (mask._version, rows, out)
+    return out
 
 
 def local_flags(mask: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -190,17 +234,25 @@ def local_flags(mask: torch.Tensor, layout: Layout) -> torch.Tensor:
     return local if local.dtype == torch.bool else local != 0
 
 
-def _mask_of(input, index) -> tuple[torch.Tensor, Layout, int] | None:
-    """(mask, its layout, input dims after it) when ``index`` is a boolean mask over the leading dims of ``input``
-    (``x[mask]``, ``x[mask, ...]``) that holds every sharded dim of a sharded ``input``, or is sharded itself next to
-    a replicated ``input``; ``None`` otherwise (other indices, a mask over unsharded dims: ``ops.shape``)."""
-    if isinstance(index, tuple) and (len(index) == 1 or (len(index) == 2 and index[1] is Ellipsis)):
-        index = index[0]
+def _mask_of(input, index) -> tuple[torch.Tensor, Layout, int, tuple] | None:
+    """(mask, its layout, input dims after it, the index after it) when ``index`` is a boolean mask over the leading
+    dims of ``input`` that holds every sharded dim of a sharded ``input``, or is sharded itself next to a replicated
+    ``input``, followed by slices, ``...``, integers or integer indices of the selected rows (``x[mask]``,
+    ``x[mask, :]``, ``x[mask, 1:]``, ``x[mask, labels[mask]]``: ``_tail``); ``None`` otherwise (other indices, a
+    mask over unsharded dims: ``ops.shape``). A mask over token sets one after another (``Layout.segments``) holds
+    no other sharded dim."""
+    tail = ()
+    if isinstance(index, tuple) and index:
+        index, tail = index[0], index[1:]
     if isinstance(index, np.ndarray) and index.dtype == np.bool_:
         index = torch.from_numpy(index)
     if not isinstance(index, torch.Tensor) or index.dtype != torch.bool or type(index) is Selection:
         return None
     if type(input) is Selection or index.dim() > input.dim() or input.shape[: index.dim()] != index.shape:
+        return None
+    if sum(i is Ellipsis for i in tail) > 1 or sum(i is not Ellipsis for i in tail) > input.dim() - index.dim():
+        return None
+    if not all(isinstance(i, (slice, int, torch.Tensor)) and not isinstance(i, bool) or i is Ellipsis for i in tail):
         return None
     rest = input.dim() - index.dim()
     if not isinstance(input, SpatialTensor):  # a replicated input, a sharded mask: cut the input like the mask
@@ -211,19 +263,94 @@ def _mask_of(input, index) -> tuple[torch.Tensor, Layout, int] | None:
         layout = input._layout.moved({d: d + rest for d in input._layout.dims})
         if isinstance(index, SpatialTensor) and index._layout != layout:
             return None
-    if any(s.segments for s in layout.shards):  # token sets one after another: no single running order
+    if any(s.segments for s in layout.shards) and len(layout.dims) > 1:  # token sets beside another sharded dim
         return None
-    return index, layout, rest
+    return index, layout, rest, tail
 
 
-def _select(input, mask: torch.Tensor, layout: Layout, rest: int) -> Selection:
-    """``input[mask]``: this rank's rows (a replicated input cut like the mask first)."""
+def _whole(i) -> bool:
+    """``...`` or ``:``."""
+    return i is Ellipsis or (isinstance(i, slice) and i == slice(None))
+
+
+def _tail(tail: tuple, rows: Rows) -> tuple | None:
+    """The index after a mask as this rank applies it: slices, ``...`` and integers as they are, integer indices
+    of the selected rows (a Selection of them, a replicated tensor of ``K`` cut to this rank's positions, or one
+    that broadcasts); ``None`` (the fallback) for anything else."""
+    out = []
+    for i in tail:
+        if isinstance(i, torch.Tensor):
+            if i.dtype.is_floating_point or i.dtype.is_complex or i.dtype == torch.bool or i.dim() > 1:
+                return None
+            if type(i) is Selection:
+                i = i.to_local() if same_rows(rows, i._rows) else None
+            elif isinstance(i, SpatialTensor):
+                i = None
+            elif i.dim() == 1 and i.shape[0] == rows.count:
+                i = i.index_select(0, rows.positions.to(i.device))
+            elif i.dim() == 1 and i.shape[0] != 1:
+                i = None
+            if i is None:
+                return None
+        out.append(i)
+    return tuple(out)
+
+
+def _selected_dims(input, rest: int, tail: tuple) -> int:
+    """The dims of ``input[mask, *tail]``: the rows, then the dims the tail keeps."""
+    return 1 + rest - sum(isinstance(i, (int, torch.Tensor)) for i in tail)
+
+
+def _select(input, mask: torch.Tensor, layout: Layout, rest: int, tail: tuple = ()) -> Selection:
+    """``input[mask, *tail]``: this rank's rows (a replicated input cut like the mask first)."""
+    rows = rows_of(mask, layout)
+    items = _tail(tail, rows)
+    if items is None:
+        return _fallback(torch.Tensor.__getitem__, (input, (mask, *tail)))
     local = (
         input.to_local()
         if isinstance(input, SpatialTensor)
         else layout.moved({d: d - rest for d in layout.dims}).take_local(input)
     )
-    return selection(local[local_flags(mask, layout)], rows_of(mask, layout))
+    return selection(local[(local_flags(mask, layout), *items)], rows)
+
+
+_TAKEN = WeakIdKeyDictionary()  # integer indices -> (their version, the layout, Rows, this rank's local rows)
+
+
+def _indices_of(input, index) -> tuple[torch.Tensor, tuple] | None:
+    """(indices, the index after them) for ``x[idx]``, ``x[idx, :]``: replicated 1-D integer indices into the
+    leading dim of ``input``, its only sharded dim (RetinaNet's ``bbox_regression[torch.where(fg)[0], :]`` over a
+    token dim), slices or ``...`` after them; ``None`` otherwise."""
+    tail = ()
+    if isinstance(index, tuple) and index:
+        index, tail = index[0], index[1:]
+    if not isinstance(index, torch.Tensor) or isinstance(index, SpatialTensor) or index.dim() != 1:
+        return None
+    if index.dtype == torch.bool or index.dtype.is_floating_point or index.dtype.is_complex:
+        return None
+    if not isinstance(input, SpatialTensor) or type(input) is Selection or input._layout.dims != (-input.dim(),):
+        return None
+    if not all(isinstance(i, slice) or i is Ellipsis for i in tail) or len(tail) >= input.dim() + (Ellipsis in tail):
+        return None
+    return index, tail
+
+
+def _take(input, index: torch.Tensor, tail: tuple):
+    """``x[idx, *tail]``: every rank takes the indexed rows it holds, a Selection of ``len(idx)`` rows (positions:
+    where in ``idx`` they are); no communication. Indices out of range: the fallback (torch's error)."""
+    layout = input._layout
+    cached = _TAKEN.get(index)
+    if cached is None or cached[0] != index._version or cached[1] != layout:
+        extent = layout.on(-input.dim())[0].extent
+        if index.numel() and not (-extent <= int(index.min()) and int(index.max()) < extent):
+            return fallback(torch.Tensor.__getitem__, (input, (index, *tail)), {})
+        owners = layout.owners(-input.dim(), index.device)[index % extent]
+        mine = owners >= 0
+        rows = Rows(mine.nonzero().flatten(), index.numel(), tuple(s.axis for s in layout.shards))
+        cached = (index._version, layout, rows, owners[mine])
+        _TAKEN[index] = cached
+    return selection(input.to_local()[(cached[3], *tail)], cached[2])
 
 
 # -- handlers ----------------------------------------------------------------------------------------------------
@@ -237,6 +364,9 @@ def getitem(input, index):
     picked = _mask_of(input, index)
     if picked is not None:
         return _select(input, *picked)
+    taken = _indices_of(input, index)
+    if taken is not None:
+        return _take(input, *taken)
     if isinstance(index, tuple) and any(type(i) is Selection for i in index):
         out = _by_coordinates(input, index)
         return materialized(torch.Tensor.__getitem__, (input, index), {}) if out is None else out
@@ -245,8 +375,35 @@ def getitem(input, index):
     return shape.getitem(input, index)
 
 
+def _row_mask(sel: Selection, index) -> torch.Tensor | None:
+    """A boolean mask over a selection's rows (``sel[keep]``, ``sel[keep, ...]``, ``sel[keep, :]``): a Selection
+    of its rows or a replicated tensor of its ``K`` flags; ``None`` for any other index."""
+    tail = ()
+    if isinstance(index, tuple) and index:
+        index, tail = index[0], index[1:]
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.bool or index.dim() != 1:
+        return None
+    if not all(_whole(i) for i in tail) or sum(i is not Ellipsis for i in tail) >= sel.dim():
+        return None
+    if sel._rows.flags is None:  # rows taken by integer indices: no mask to narrow
+        return None
+    if type(index) is Selection:
+        return index if same_rows(sel._rows, index._rows) else None
+    return None if isinstance(index, SpatialTensor) or index.shape[0] != sel._rows.count else index
+
+
+def _row_flags(rows: Rows, keep: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a mask over a selection's rows."""
+    return keep.to_local() if type(keep) is Selection else keep.index_select(0, rows.positions.to(keep.device))
+
+
 def _index_rows(sel: Selection, index):
-    """``sel[:, 0]``, ``sel[..., :2]``: an index that keeps the rows dim first is local."""
+    """``sel[:, 0]``, ``sel[..., :2]``: an index that keeps the rows dim first is local; ``sel[keep]`` with a
+    boolean mask over the rows: the rows it picks (``sub_rows``)."""
+    keep = _row_mask(sel, index)
+    if keep is not None:
+        picked = sub_rows(sel._rows, keep)
+        return selection(sel.to_local()[_row_flags(sel._rows, keep)], picked)
     mapping = shape._index_map(index, sel.dim())
     with _Plain():
         out = sel[index] if mapping is not None and 0 in mapping else None
@@ -270,7 +427,7 @@ def _by_coordinates(input, index) -> Selection | None:
     if not isinstance(input, SpatialTensor):  # replicated: the global coordinates index it as they are
         return selection(input[tuple(coords)], rows)
     layout, n = input._layout, input.dim()
-    if any(s.dim + n >= len(index) or s.segments for s in layout.shards):
+    if any(s.dim + n >= len(index) for s in layout.shards):
         return None
     if {s.axis for s in layout.shards} != set(rows.axes):
         return None
@@ -288,26 +445,46 @@ def _by_coordinates(input, index) -> Selection | None:
 
 
 def setitem(input, index, value):
-    """``x[mask] = v`` over sharded dims, locally: ``v`` a scalar or a replicated tensor that broadcasts over the
-    rows, a replicated tensor of ``K`` rows (cut to this rank's positions), or a Selection of the same rows."""
+    """``x[mask] = v``, ``x[mask, labels[mask]] = v`` over sharded dims, and ``sel[keep] = v`` over a selection's
+    rows, locally: ``v`` a scalar or a replicated tensor that broadcasts over the rows, a replicated tensor of ``K``
+    rows (cut to this rank's positions), or a Selection of the same rows."""
+    call = (input, index, value)
+    if type(input) is Selection:
+        keep = _row_mask(input, index)
+        if keep is None:
+            return materialized(torch.Tensor.__setitem__, call, {})
+        local = _written(value, lambda: sub_rows(input._rows, keep), input.dim())
+        if local is _NOT_LOCAL:
+            return materialized(torch.Tensor.__setitem__, call, {})
+        on_shard(torch.Tensor.__setitem__, input, _row_flags(input._rows, keep), local)
+        return
     picked = _mask_of(input, index) if isinstance(input, SpatialTensor) else None
     if picked is None:
-        if _has_selection((input, index, value)):
-            return materialized(torch.Tensor.__setitem__, (input, index, value), {})
+        if _has_selection(call):
+            return materialized(torch.Tensor.__setitem__, call, {})
         return shape.setitem(input, index, value)
-    mask, layout, rest = picked
-    if isinstance(value, torch.Tensor):
-        if isinstance(value, SpatialTensor) and type(value) is not Selection:
-            return fallback(torch.Tensor.__setitem__, (input, index, value), {})
-        if type(value) is Selection or value.dim() == rest + 1:  # it has a rows dim: whose rows?
-            rows = rows_of(mask, layout)
-            local = _local(value, rows, rest + 1)
-            if type(value) is Selection and (value.dim() != rest + 1 or not same_rows(rows, value._rows)):
-                local = _NOT_LOCAL
-            if local is _NOT_LOCAL:
-                return _fallback(torch.Tensor.__setitem__, (input, index, value))
-            value = local
-    on_shard(torch.Tensor.__setitem__, input, local_flags(mask, layout), value)
+    mask, layout, rest, tail = picked
+    items = _tail(tail, rows_of(mask, layout)) if any(isinstance(i, torch.Tensor) for i in tail) else tail
+    local = _written(value, lambda: rows_of(mask, layout), _selected_dims(input, rest, tail))
+    if items is None or local is _NOT_LOCAL:
+        return _fallback(torch.Tensor.__setitem__, call)
+    on_shard(torch.Tensor.__setitem__, input, (local_flags(mask, layout), *items), local)
+
+
+def _written(value, rows, ndim: int):
+    """A value written to ``ndim``-dim selected rows (``rows()`` says which, asked only when the value has a rows
+    dim), as this rank writes it: a scalar, a replicated tensor that broadcasts or has their ``K`` rows (cut to this
+    rank's positions), a Selection of those rows; ``_NOT_LOCAL`` otherwise."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, SpatialTensor) and type(value) is not Selection:
+        return _NOT_LOCAL
+    if type(value) is not Selection and value.dim() != ndim:
+        return _local(value, None, ndim)
+    mine = rows()
+    if type(value) is Selection and (value.dim() != ndim or not same_rows(mine, value._rows)):
+        return _NOT_LOCAL
+    return _local(value, mine, ndim)
 
 
 def masked_select(input, mask):
@@ -357,7 +534,7 @@ def nonzero(input, *, as_tuple=False, out=None):
     """Global coordinates of a sharded tensor's nonzero elements: local ``nonzero`` plus each sharded dim's
     offsets (``Layout.positions``), as a Selection of the rows ``input[input != 0]`` has (same order)."""
     layout = input._layout
-    if type(input) is Selection or out is not None or any(s.segments for s in layout.shards):
+    if type(input) is Selection or out is not None or (any(s.segments for s in layout.shards) and len(layout.dims) > 1):
         return _fallback(torch.nonzero, (input,), {"as_tuple": as_tuple} if out is None else {"out": out})
     rows = rows_of(input, layout)
     coords = list(local_flags(input, layout).nonzero().unbind(1))
@@ -433,6 +610,19 @@ def _elementwise(func):
     return run
 
 
+def _pairwise(func):
+    """``torch.max(a, b)``, ``torch.min(a, b)``: element-wise (``_elementwise``); a reduction over a selection:
+    the fallback."""
+    pair = _elementwise(func)
+
+    def run(*args, **kwargs):
+        if (len(args) > 1 and isinstance(args[1], torch.Tensor)) or isinstance(kwargs.get("other"), torch.Tensor):
+            return pair(*args, **kwargs)
+        return materialized(func, args, kwargs)
+
+    return run
+
+
 def _reduction(kind: str):
     """``sum``/``mean``: over the rows a local sum and one all-reduce (a mean divides by the global count); over
     other dims local."""
@@ -500,6 +690,7 @@ _OPS = {
     **bound(_reduction("mean"), torch.mean, torch.Tensor.mean),
     **loss.losses(_on_rows),
     **bound(_unbind, torch.unbind, torch.Tensor.unbind),
+    **{f: _pairwise(f) for f in (torch.max, torch.min, torch.Tensor.max, torch.Tensor.min)},
 }
 
 __all__ = ["HANDLERS", "Rows", "Selection", "materialized", "nonzero", "rows_of", "selection", "whole"]

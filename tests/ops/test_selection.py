@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torchvision.ops import generalized_box_iou_loss, sigmoid_focal_loss
 
 from lightning_spatial import LayoutError, SpatialFallbackWarning, shard
 from lightning_spatial.ops.selection import Selection
@@ -125,6 +126,152 @@ def _full_mask(layout):
     return torch.rand(B, C, H, _w(layout)) > 0.4
 
 
+def _level_sizes(layout: str) -> list[tuple[int, int]]:
+    """Per pyramid level (h, w), each shardable over the layout's ranks (w3: uneven widths)."""
+    return [(6, 9), (3, 5), (2, 3)] if layout == "w3" else [(6, 8), (3, 4), (2, 2)]
+
+
+def _token_sets(*levels):
+    """Levels (B, C, h, w) as (B, tokens, C), level after level: token sets one after another."""
+    return torch.cat([x.flatten(2).transpose(1, 2) for x in levels], 1)
+
+
+def _label_levels(layout):
+    """Per level, labels 0 (background) to 2 with a row selecting nothing; the last level is all background."""
+    out = [torch.randint(0, 3, (B, h, w)) * (torch.arange(h)[:, None] != 1) for h, w in _level_sizes(layout)]
+    out[-1].zero_()
+    return out
+
+
+def _sharded_mask_over_sets(layout):
+    return [
+        *(torch.randn(B, 4, h, w) for h, w in _level_sizes(layout)),
+        *(torch.randn(B, 4, h, w) for h, w in _level_sizes(layout)),
+        *_label_levels(layout),
+    ]
+
+
+def _over_sets_sharded(*args):
+    """A mask computed from sharded labels over the levels' tokens (a sharded mask over token sets)."""
+    pred, target = _token_sets(*args[:3]), _token_sets(*args[3:6])
+    labels = torch.cat([t.flatten(1) for t in args[6:]], 1)  # (B, tokens), level after level
+    fg = labels > 0
+    rows = pred[fg]
+    return (
+        F.l1_loss(rows, target[fg], reduction="sum") / max(1, fg.sum()),
+        F.binary_cross_entropy_with_logits(rows[:, 0], target[fg][:, 1].sigmoid()),
+        rows.mean(0),
+        fg.cumsum(1),  # the running count itself: level after level
+        pred.cumsum(1),  # a float scan over the token sets
+        torch.nonzero(fg),
+        pred[torch.where(fg)] - rows,  # coordinates over token sets: the mask's rows
+        pred[fg, labels[fg]],  # one class per row, a Selection of integer indices
+    )
+
+
+def _replicated_mask_over_sets(layout):
+    sizes = _level_sizes(layout)
+    tokens = sum(h * w for h, w in sizes)
+    classes = torch.randint(-1, 3, (B, tokens))
+    classes[1, -10:] = -1
+    return [*(torch.randn(B, 3, h, w) for h, w in sizes), classes, torch.randn(B, tokens, 3)]
+
+
+def _over_sets_replicated(*args):
+    """A replicated mask over the levels' tokens (computed from anchors and targets, as detectors do): FCOS's
+    one-hot classification target ``gt[fg, classes[fg]] = 1``, RetinaNet's per-image ``x[fg, :]``."""
+    *levels, classes, target = args
+    logits = _token_sets(*levels)
+    fg = classes >= 0
+    gt = torch.zeros_like(logits)
+    gt[fg, classes[fg]] = 1.0
+    picked = logits[fg, classes[fg]]
+    per_image = []
+    for logits_i, classes_i, target_i in zip(logits, classes, target):
+        fg_i = classes_i >= 0
+        per_image.append(F.l1_loss(logits_i[fg_i, :], target_i[fg_i], reduction="sum"))
+    return (
+        sigmoid_focal_loss(logits, gt, reduction="sum") / max(1, fg.sum().item()),
+        gt,
+        picked * 2,
+        logits[fg, 1:],
+        *per_image,
+        logits[fg, ...].sum(),
+    )
+
+
+def _boxes_over_sets(layout):
+    sizes = _level_sizes(layout)
+    tokens = sum(h * w for h, w in sizes)
+    corners = torch.rand(B, tokens, 2) * 8
+    target = torch.cat([corners, corners + 1 + torch.rand(B, tokens, 2) * 4], -1)
+    return [*(torch.randn(B, 4, h, w) for h, w in sizes), torch.randint(-1, 2, (B, tokens)), target]
+
+
+def _giou(*args):
+    """torchvision's ``generalized_box_iou_loss`` over selected tokens: pairwise ``torch.max``/``min`` with the
+    replicated targets, ``intsctk[mask] = ...`` with a mask over the selected rows (rows of those rows)."""
+    *levels, classes, target = args
+    deltas = _token_sets(*levels)
+    corners = target[..., :2] + deltas[..., :2]
+    pred = torch.cat([corners, corners + deltas[..., 2:].exp() * 2], -1)
+    fg = classes >= 0
+    rows, goal = pred[fg], target[fg]
+    keep = rows[:, 0] > goal[:, 0]
+    picked = rows[keep]
+    other = rows * 1.0
+    other[keep] = picked * 3
+    again = rows * 1.0
+    again[keep] = 0.5
+    flags = (goal[:, 1] > 4).to(torch.uint8)  # a replicated mask of K flags
+    return (
+        generalized_box_iou_loss(rows, goal, reduction="sum"),
+        generalized_box_iou_loss(rows, goal),
+        picked * 2,
+        picked.sum(),
+        other,
+        again,
+        torch.max(rows, goal),
+        torch.min(rows[:, 0], rows[:, 1]),
+        rows[flags.bool()],
+        rows[keep, :][:, 1:].sum(0),
+    )
+
+
+def _rows_of_rows(*args):
+    """A mask over selected pixels' rows, on a map (one token set)."""
+    x, m = args[:2]
+    rows = _channels_last(x)[m]
+    keep = rows.sum(-1) > 0
+    out = rows * 1.0
+    out[keep] = rows[keep].exp()
+    return rows[keep], out, rows[keep][rows[keep][:, 0] > 0]
+
+
+def _indexed_tokens(layout):
+    sizes = _level_sizes(layout)
+    tokens = sum(h * w for h, w in sizes)
+    classes = torch.randint(-1, 2, (B, tokens))
+    classes[1] = -1  # an image without foreground
+    return [*(torch.randn(B, 4, h, w) for h, w in sizes), classes, torch.randn(B, tokens, 4)]
+
+
+def _take_tokens(*args):
+    """RetinaNet's box loss: per image, ``x[torch.where(fg)[0], :]`` with replicated integer indices into a token
+    dim of token sets (the only sharded dim), an L1 loss against replicated targets of those rows; duplicate and
+    negative indices, and a single map's tokens."""
+    *levels, classes, target = args
+    tokens = _token_sets(*levels)
+    out = []
+    for tokens_i, classes_i, target_i in zip(tokens, classes, target):
+        idx = torch.where(classes_i >= 0)[0]
+        rows = tokens_i[idx, :]
+        out.append(F.l1_loss(rows, target_i[idx], reduction="sum") / max(1, idx.numel()))
+    some = torch.tensor([3, -1, 3, 0, 17])
+    one_map = levels[0][0].flatten(1).transpose(0, 1)  # (h * w, 4): one token set
+    return (*out, tokens[0][some] * 2, one_map[some, 1:].sum(0), one_map[some, ...].exp())
+
+
 CASES = {
     "select_channels_last_then_losses": (_with_rows(_mask), _losses, [0, 1]),
     "a_rank_selects_nothing": (_with_rows(_corner), _losses, [0, 1]),
@@ -166,6 +313,11 @@ CASES = {
         _fcos,
         [0, 1, 2],
     ),
+    "a_sharded_mask_over_token_sets": (_sharded_mask_over_sets, _over_sets_sharded, range(9)),
+    "a_replicated_mask_over_token_sets": (_replicated_mask_over_sets, _over_sets_replicated, [0, 1, 2]),
+    "generalized_box_iou_loss_over_token_sets": (_boxes_over_sets, _giou, [0, 1, 2]),
+    "rows_of_rows": (_with_rows(_mask), _rows_of_rows, [0, 1]),
+    "integer_indices_into_token_sets": (_indexed_tokens, _take_tokens, [0, 1, 2]),
     "fcos_box_loss_replicated_target": (
         lambda lay: [_map(lay, 4), _labels(lay), torch.randn(B, H * _w(lay), 4)],
         _fcos_replicated_target,
@@ -192,6 +344,8 @@ def _fallbacks(layout):
         "Tensor.sort": lambda x, m, o, f: _channels_last(x)[m].sort(0).values,
         "Tensor.add": lambda x, m, o, f: _channels_last(x)[m] + _channels_last(x)[o],  # two masks: other rows
         "Tensor.sub": lambda x, m, o, f: _channels_last(x)[m] - _channels_last(x)[f],  # another count
+        "Tensor.__getitem__": lambda x, m, o, f: _channels_last(x)[m][_channels_last(x)[o][:, 0] > 0],  # other rows
+        "torch.max": lambda x, m, o, f: torch.max(_channels_last(x)[m]),  # a reduction, not max(a, b)
     }
     for name, op in ops.items():
         with entered(Run(fallback="error")):
