@@ -8,6 +8,10 @@ Both meet a common pattern: a map pooled to 1x1 (replicated), resized to a shard
 ``F.interpolate(size=x.shape[-2:])`` and joined with sharded maps (DeepLabV3's ASPP image pooling: ``torch.cat``;
 the FPN's global-context level: the top-down add). EfficientNet-PyTorch brings its own autograd Function, and
 Ross Wightman's EfficientDet (``effdet``) a whole detector: BiFPN, heads, anchor labeling and its losses.
+torchvision's one-stage detectors ``FCOS`` and ``RetinaNet`` bring their own ``compute_loss``: boolean foreground
+masks over the heads' token outputs, every pyramid level's tokens one after another (``pred[fg]``,
+``gt[fg, labels[fg]] = 1.0``, ``x[torch.where(fg)[0], :]``), focal, GIoU (with a mask over the selected rows),
+centerness and L1 losses on each rank's selected rows.
 float64, float64 tolerance (``oracle.RTOL_FLOAT64``).
 """
 

@@ -5,13 +5,19 @@ rank keeps the rows of its own pixels or tokens, in local order: a ``Selection``
 index in the single-device result (``positions``), the row count ``K`` and the mesh axes the rows are spread over.
 The positions come from the global running count of the mask, which ``torch.cumsum`` along its flattened sharded
 dims computes from the ranks' totals (``ops.scan``: a count per mask row, never the mask); ``K`` is one all-reduce and
-one host synchronisation (torch's ``nonzero`` synchronises too). ``x[mask]`` and ``y[mask]`` with the same mask
-tensor share their positions (computed once per mask and its version), so their rows line up without a message.
+one host synchronisation (torch's ``nonzero`` synchronises too). Over token sets one after another (the levels of a
+feature pyramid concatenated, ``Layout.segments``) the count runs level after level, as on one device.
+``x[mask, :]``, ``x[mask, labels[mask]]`` (and ``= v``) index the other dims of the selected rows; replicated integer
+indices into a token dim (``x[idx, :]``) give a Selection of the rows each rank holds, with no message. ``x[mask]``
+and ``y[mask]`` with the same mask tensor share their positions (computed once per mask and its version), so their
+rows line up without a message.
 
 What a Selection does on its rows alone: shape queries answer the global ``(K, *rest)``; element-wise ops with
 Selections of the same rows, scalars and replicated tensors that broadcast over the rows or have ``K`` of them (cut
 to this rank's positions); ``sum``/``mean`` over the rows (a local sum, one all-reduce), over other dims (local);
-the losses of ``ops.loss``; indexing and ``unbind`` that keep the rows dim. ``lightning_spatial.gather`` gives the
+the losses of ``ops.loss``; indexing and ``unbind`` that keep the rows dim; ``torch.max(a, b)``/``min``; a boolean
+mask over the rows (``sel[keep]``, ``sel[keep] = v``: the selecting mask with the rows left out turned off gives
+their positions). ``lightning_spatial.gather`` gives the
 single-device tensor: each rank writes its rows at their positions into zeros, one all-reduce joins them. Any other
 op (or Selections of other rows) takes the exact fallback: its Selections materialised that way, the op run, the
 result replicated, announced as every fallback is.

@@ -2,7 +2,10 @@
 ``nonzero``) and what a selection of rows does next (element-wise ops, sums and means, losses), against one process:
 outputs and every gradient, on w2, w3 (uneven), h2 and 2x2, fp32 and float64, fallbacks as errors. Masks are
 random with rows that select nothing, and one selects only a corner, so that some ranks hold no rows; an FCOS-like
-box loss selects foreground tokens of a flattened map. Ops a selection has no handler for, and selections of two
+box loss selects foreground tokens of a flattened map. Token sets one after another (pyramid levels concatenated)
+with sharded and replicated masks, ``cumsum`` along them, FCOS's and RetinaNet's one-hot targets
+(``gt[fg, labels[fg]] = 1``), torchvision's ``generalized_box_iou_loss`` (a mask over selected rows) and
+RetinaNet's replicated integer indices into a token dim. Ops a selection has no handler for, and selections of two
 different masks meeting, take the exact fallback (an error in "error" mode)."""
 
 from __future__ import annotations
