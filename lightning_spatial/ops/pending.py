@@ -62,6 +62,7 @@ class PendingSum(SpatialTensor):
     _axes: tuple[Axis, ...]
     _addend: torch.Tensor | None
     _reduced: torch.Tensor | None
+    _whole: bool  # the same sum on every rank: cut, not reduced
 
     def settled(self) -> torch.Tensor:
         return resolve(self)
@@ -85,7 +86,7 @@ class PendingSum(SpatialTensor):
             with _Plain():
                 partial = func(first.as_subclass(torch.Tensor), *args[1:], **kwargs)
                 base = None if first._addend is None else func(first._addend, *args[1:], **kwargs)
-            return pending(partial, first._axes, base)
+            return pending(partial, first._axes, base, first._whole)
         if type(first) is PendingSum and is_inplace(func):
             raise LayoutError(
                 f"{name_of(func)} writes into a BEV grid whose sums are not reduced yet "
@@ -96,15 +97,19 @@ class PendingSum(SpatialTensor):
         return func(*resolved[0], **resolved[1])
 
 
-def pending(partial: torch.Tensor, axes: Sequence, base: torch.Tensor | None = None) -> torch.Tensor:
-    """``base + (the sum over axes of partial)``: pending under ``Run.bev_shard``, else reduced now (all-reduce)."""
+def pending(
+    partial: torch.Tensor, axes: Sequence, base: torch.Tensor | None = None, whole: bool = False
+) -> torch.Tensor:
+    """``base + (the sum over axes of partial)``: pending under ``Run.bev_shard``, else reduced now (all-reduce).
+    ``whole``: ``partial`` is already the sum, the same on every rank (``grid_sample`` of a gathered input), so it
+    is cut to this rank's cells instead of reduced."""
     axes = tuple(getattr(a, "axis", a) for a in axes)
     if current().bev_shard is None or not axes or _dynamo_compiling():
-        total = across(partial, axes)
+        total = partial if whole else across(partial, axes)
         return total if base is None else base + total
     with _Plain():
         out = partial.as_subclass(PendingSum)
-    out._axes, out._addend, out._reduced, out._layout = axes, base, None, Layout(())
+    out._axes, out._addend, out._reduced, out._layout, out._whole = axes, base, None, Layout(()), whole
     return out
 
 
@@ -129,7 +134,12 @@ def _reduce(p: PendingSum) -> torch.Tensor:
                 "bev_shard=None (a replicated grid)"
             )
     # one axis per plane dim; axes beyond them are all-reduced
-    total = reduced_into(partial, p._axes, [DimShard(d, a, partial.shape[d]) for d, a in zip(dims, p._axes)])
+    shards = [DimShard(d, a, partial.shape[d]) for d, a in zip(dims, p._axes)]
+    if p._whole:
+        layout = Layout(tuple(shards)) if shards else None
+        total = wrap(layout.take_local(partial).contiguous(), layout) if layout else partial  # frees the rest
+    else:
+        total = reduced_into(partial, p._axes, shards)
     return total if p._addend is None else total + p._addend  # a replicated addend is cut to this rank's cells
 
 

@@ -89,9 +89,12 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
     if layout is None or (points is not None and not _by_points(points, layout, grid.dim())):
         kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
         return fallback(F.grid_sample, (input, grid), kwargs)
-    if points is not None and _input_is_smaller(x, layout, unwrap(grid)[0], points):
+    if _input_is_smaller(x, layout, unwrap(grid)[0], points):
         kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
-        return wrap(F.grid_sample(gather(input), unwrap(grid)[0], **kwargs), _like_points(points))
+        out = F.grid_sample(gather(input), unwrap(grid)[0], **kwargs)
+        if points is None:  # every rank has the whole output: with bev_shard, cut to its cells (ops.pending)
+            return pending(out, layout.shards, whole=True)
+        return wrap(out, _like_points(points))
     whole = gather(grid)  # a sharded grid: every rank samples every point in its own part of the input
     out = checkpoint(_sampled, x, whole, layout, mode, padding, align, use_reentrant=False)
     if points is None:
@@ -116,15 +119,16 @@ def _by_points(points: Layout, layout: Layout, ndim: int) -> bool:
     )
 
 
-def _input_is_smaller(x: torch.Tensor, layout: Layout, grid: torch.Tensor, points: Layout) -> bool:
-    """Whether to gather the input rather than the points: when it is smaller than the samples (BEVFormer's
-    cross-attention samples 8 points per BEV query in maps a fraction of that size) and every point has one owner
-    (the grid sharded over all of the input's axes), each rank samples only its own points and nothing is reduced;
-    the input gradient's parts are summed (all-gather's adjoint)."""
-    if {s.axis.ranks for s in points.shards} != {s.axis.ranks for s in layout.shards}:
+def _input_is_smaller(x: torch.Tensor, layout: Layout, grid: torch.Tensor, points: Layout | None) -> bool:
+    """Whether to gather the input rather than sample it in place: when it is smaller than the samples (BEVFormer's
+    cross-attention samples 8 points per BEV query in maps a fraction of that size; Simple-BEV's lifting, 8 heights
+    per BEV cell) torch's own kernel samples the gathered input, and no sum of partial samples follows. A grid
+    sharded by points needs each point to have one owner (the grid sharded over all of the input's axes): each rank
+    samples its own points. The input gradient's parts are summed (all-gather's adjoint)."""
+    if points is not None and {s.axis.ranks for s in points.shards} != {s.axis.ranks for s in layout.shards}:
         return False
-    samples = math.prod(x.shape[:2]) * math.prod(points.global_shape(grid)[1:-1])
-    return math.prod(layout.global_shape(x)) < samples
+    points_shape = grid.shape if points is None else points.global_shape(grid)
+    return math.prod(layout.global_shape(x)) < math.prod(x.shape[:2]) * math.prod(points_shape[1:-1])
 
 
 def _like_points(points: Layout) -> Layout:

@@ -20,7 +20,7 @@ from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
 B, C, X, Y = 2, 3, 7, 5  # odd cell counts: uneven shards of the grid too
-SPLATS = ("index_add", "scatter_add", "index_put", "grid_sample")
+SPLATS = ("index_add", "scatter_add", "index_put", "grid_sample", "grid_sample_points")
 MODES = {"w2": "x", "w3": "y", "h2": "xy", "2x2": "xy"}  # 2x2 with "xy": 2-D tiles over the two axes
 
 
@@ -29,6 +29,8 @@ def _splat(kind: str, feats: torch.Tensor, cells: torch.Tensor, grid: torch.Tens
     (random: the destination's own values enter once, after the reduction)."""
     if kind == "grid_sample":  # Simple-BEV: sample the image at every cell's projection
         return F.grid_sample(feats, grid, align_corners=False)
+    if kind == "grid_sample_points":  # BEVFormer: 4 points per cell stacked as rows, more samples than the image
+        return F.grid_sample(feats, grid, align_corners=False).unflatten(2, (4, X)).mean(2)
     rows = feats.permute(0, 2, 3, 1).reshape(-1, C)  # (B*h*w, C), a token dim merged from the sharded map
     if kind == "index_add":  # Lift-Splat's voxel pooling
         flat = dest.index_add(0, cells, rows)
@@ -43,7 +45,8 @@ def _bev_case(layout: str, kind: str, dtype: torch.dtype, mode: str, then: str):
     torch.manual_seed(0)
     feats = torch.randn(B, C, 6, 12, dtype=dtype)
     cells = torch.randint(0, B * X * Y, (B * 6 * 12,))
-    grid = torch.rand(B, X, Y, 2, dtype=dtype) * 2.4 - 1.2  # some cells project outside the image
+    points = 4 if kind == "grid_sample_points" else 1  # 4: the image is gathered and sampled whole, then cut
+    grid = torch.rand(B, points * X, Y, 2, dtype=dtype) * 2.4 - 1.2  # some cells project outside the image
     weight = torch.randn(4, C, 3, 3, dtype=dtype)
     dest = torch.randn(B * X * Y, C, dtype=dtype)
     seen = []

@@ -252,6 +252,28 @@ def test_a_grid_sharded_by_points(layout, dtype, form, image_hw):
     run_spmd(_grid_by_points_case, LAYOUTS[layout][0], layout, dtype, form, image_hw)
 
 
+def _gathered_image_case(layout: str, dtype: torch.dtype, mode: str):
+    """A replicated grid with more samples than the image has values (Simple-BEV's lifting: 8 heights per BEV cell;
+    BEVFormer's first cross-attention): the image is gathered and torch's own kernel samples it, the output
+    replicated; no partial sums, so the taps of a shard are never computed. Output, image and grid gradients."""
+    from lightning_spatial.ops import sample
+
+    torch.manual_seed(0)
+    image = torch.randn(2, 3, 4, 6, dtype=dtype)
+    grid = torch.rand(2, 8, 5, 2, dtype=dtype) * 2.4 - 1.2  # 40 points a sample, some outside the image
+    taps, shard_taps = [], sample._shard_taps
+    with patch.object(sample, "_shard_taps", lambda *a: taps.append(1) or shard_taps(*a)), _tolerance(dtype):
+        check(_sampler(mode, "zeros", False), [image, grid], sharded=[0], axes=axes(layout))
+    assert not taps
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_an_image_smaller_than_its_samples_is_gathered(layout, dtype, mode):
+    run_spmd(_gathered_image_case, LAYOUTS[layout][0], layout, dtype, mode)
+
+
 def _grid_over_other_ranks_case():
     ax = axes("2x2")
     image = shard(torch.randn(2, 3, 6, 10), {-1: ax[-1]})  # sharded over the w ranks only
