@@ -85,13 +85,12 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
     input, grid = _autocast(input, grid)
     _check(input, grid, mode, dims)
     x, layout = unwrap(input)
-    points = unwrap(grid)[1]
+    local_grid, points = unwrap(grid)
+    kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
     if layout is None or (points is not None and not _by_points(points, layout, grid.dim())):
-        kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
         return fallback(F.grid_sample, (input, grid), kwargs)
-    if _input_is_smaller(x, layout, unwrap(grid)[0], points):
-        kwargs = {"mode": mode, "padding_mode": padding, "align_corners": align}
-        out = F.grid_sample(gather(input), unwrap(grid)[0], **kwargs)
+    if _input_is_smaller(x, layout, local_grid, points):
+        out = F.grid_sample(gather(input), local_grid, **kwargs)
         if points is None:  # every rank has the whole output: with bev_shard, cut to its cells (ops.pending)
             return pending(out, layout.shards, whole=True)
         return wrap(out, _like_points(points))
