@@ -2,7 +2,9 @@
 
 A ``Run`` holds what handlers and halos read besides their arguments: what an op without a handler does
 (``fallback``), module paths for messages, the data axis that BatchNorm statistics also span (SyncBatchNorm), where
-DDP keeps the gradients that a replayed backward writes into, halo byte counters, and the planner's probe switch.
+DDP keeps the gradients that a replayed backward writes into, halo byte counters, the planner's probe switch, and
+the rows each boolean mask or index tensor selects (``x[mask]`` and ``y[mask]`` share them: counting them
+communicates).
 ``SpatialParallelStrategy`` creates one at ``setup`` and enters it until ``teardown``; code outside any strategy
 (a test, a notebook calling ``shard`` by hand) reads the process's default run. Runs nest: the innermost entered
 one is current, and leaving it restores the one before, so two strategies in one process never see each other's
@@ -35,6 +37,9 @@ class Run:
     zero_undelivered: bool = False  # the planner's probe: fake groups deliver nothing, receive zeros instead
     bev_shard: str | None = None  # sums into a BEV grid end sharded along "x", "y" or "xy" (ops.pending), or replicated
     warned: set[tuple[str, str]] = field(default_factory=set)  # (op, module) fallbacks announced in "warn" mode
+    index_rows: WeakIdKeyDictionary = field(
+        default_factory=WeakIdKeyDictionary
+    )  # a mask or indices -> rows (selection)
 
     def __post_init__(self) -> None:
         check_fallback_mode(self.fallback)

@@ -66,3 +66,23 @@ def test_fallback_mode_names_the_modes():
             pass
     with pytest.raises(ValueError, match="got 'loud'"):
         Run(fallback="loud")
+
+
+def _mask_rows_case():
+    x, y = (lightning_spatial.shard(torch.randn(1, 2, 4, 8), axes("w2")) for _ in range(2))
+    mask = lightning_spatial.shard(torch.rand(1, 2, 4, 8) > 0.5, axes("w2"))
+    outer = current()
+    with entered(Run()) as first:
+        x[mask], y[mask]  # the second selection reuses the rows the first counted
+        (rows,) = first.index_rows[mask].values()
+        with entered(Run()) as second:
+            x[mask]
+            assert (
+                second.index_rows[mask].keys() == first.index_rows[mask].keys()
+                and rows not in second.index_rows[mask].values()
+            )
+    assert mask not in outer.index_rows
+
+
+def test_the_rows_of_a_mask_are_kept_by_the_run():
+    run_spmd(_mask_rows_case, 2)

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..collectives import across, across_detached
 from ..fallback import announce, fallback, is_inplace
 from ..layout import Layout
 from ..mesh import Axis
+from ..run import current
 from ..tensor import SpatialTensor, _Plain, adopt, on_shard, wrap
 from . import loss, shape
 from ._binding import bound
@@ -173,12 +173,17 @@ def _missing(operands) -> bool:
 
 # -- where rows come from ----------------------------------------------------------------------------------------
 
-_ROWS = WeakIdKeyDictionary()  # mask -> (its version, its layout, Rows): x[mask] and y[mask] share their rows
+
+def _derived(index: torch.Tensor) -> dict:
+    """What the current run derived from a mask or index tensor (its rows: counting them communicates), by kind:
+    ``x[mask]`` and ``y[mask]`` share them. Each entry holds the tensor's version it was derived at."""
+    return current().index_rows.setdefault(index, {})
 
 
 def rows_of(mask: torch.Tensor, layout: Layout) -> Rows:
     """The rows a mask (nonzero elements) selects on this rank, sharded as ``layout`` or replicated (cut by it)."""
-    cached = _ROWS.get(mask)
+    derived = _derived(mask)
+    cached = derived.get("rows")  # (the mask's version, the layout, Rows)
     if cached is not None and cached[0] == mask._version and cached[1] == layout:
         return cached[2]
     mine = local_flags(mask, layout)
@@ -189,7 +194,7 @@ def rows_of(mask: torch.Tensor, layout: Layout) -> Rows:
         order = layout.take_local(flags.flatten().cumsum(0).view(flags.shape)).reshape(-1)
         count = flags.sum()
     rows = _rows(order, count, mine, layout)
-    _ROWS[mask] = (mask._version, layout, rows)
+    derived["rows"] = (mask._version, layout, rows)
     return rows
 
 
@@ -217,20 +222,18 @@ def _running_count(flags: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, t
     return order.reshape(-1), totals.sum()
 
 
-_SUBROWS = WeakIdKeyDictionary()  # a mask over a selection's rows -> (its version, those rows, the rows it picks)
-
-
 def sub_rows(rows: Rows, mask: torch.Tensor) -> Rows:
     """The rows a boolean mask over a selection's rows picks (``sel[sel > 0]``): the selecting mask with the rows
     left out turned off, its running count as ``rows_of`` counts. ``mask``: a Selection of ``rows`` or a replicated
     tensor of their ``K`` flags."""
-    cached = _SUBROWS.get(mask)
+    derived = _derived(mask)
+    cached = derived.get("sub_rows")  # (the mask's version, the selection's rows, the rows it picks)
     if cached is not None and cached[0] == mask._version and cached[1] is rows:
         return cached[2]
     flags = rows.flags.clone()
     flags[rows.flags] = _row_flags(rows, mask)
     out = _rows(*_running_count(flags, rows.layout), flags, rows.layout)
-    _SUBROWS[mask] = (mask._version, rows, out)
+    derived["sub_rows"] = (mask._version, rows, out)
     return out
 
 
@@ -321,9 +324,6 @@ def _select(input, mask: torch.Tensor, layout: Layout, rest: int, tail: tuple = 
     return selection(local[(local_flags(mask, layout), *items)], rows)
 
 
-_TAKEN = WeakIdKeyDictionary()  # integer indices -> (their version, the layout, Rows, this rank's local rows)
-
-
 def _indices_of(input, index) -> tuple[torch.Tensor, tuple] | None:
     """(indices, the index after them) for ``x[idx]``, ``x[idx, :]``: replicated 1-D integer indices into the
     leading dim of ``input``, its only sharded dim (RetinaNet's ``bbox_regression[torch.where(fg)[0], :]`` over a
@@ -346,7 +346,8 @@ def _take(input, index: torch.Tensor, tail: tuple):
     """``x[idx, *tail]``: every rank takes the indexed rows it holds, a Selection of ``len(idx)`` rows (positions:
     where in ``idx`` they are); no communication. Indices out of range: the fallback (torch's error)."""
     layout = input._layout
-    cached = _TAKEN.get(index)
+    derived = _derived(index)
+    cached = derived.get("taken")  # (the indices' version, the layout, Rows, this rank's local rows)
     if cached is None or cached[0] != index._version or cached[1] != layout:
         extent = layout.on(-input.dim())[0].extent
         if index.numel() and not (-extent <= int(index.min()) and int(index.max()) < extent):
@@ -355,7 +356,7 @@ def _take(input, index: torch.Tensor, tail: tuple):
         mine = owners >= 0
         rows = Rows(mine.nonzero().flatten(), index.numel(), tuple(s.axis for s in layout.shards))
         cached = (index._version, layout, rows, owners[mine])
-        _TAKEN[index] = cached
+        derived["taken"] = cached
     return selection(input.to_local()[(cached[3], *tail)], cached[2])
 
 
