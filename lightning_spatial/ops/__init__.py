@@ -6,6 +6,7 @@ from ..registry import add_handlers
 from . import (
     attention,
     autograd,
+    checkpointing,
     conv,
     elementwise,
     functions,
@@ -32,7 +33,7 @@ FAMILIES = (
     elementwise,
     queries,
     autograd,
-    functions,
+    checkpointing,
     conv,
     pad,
     pool,
@@ -53,11 +54,12 @@ FAMILIES = (
 
 
 def install() -> None:
-    """Register every family's handlers (``registry``), later families over earlier ones, and let user autograd
-    Functions see shards (``functions``)."""
+    """Register every family's handlers (``registry``), later families over earlier ones, let user autograd
+    Functions see shards (``functions``) and checkpoints recompute on shards (``checkpointing``)."""
     for family in FAMILIES:
         add_handlers(family.HANDLERS, override=True)
     functions.install()
+    checkpointing.install()
 
 
 __all__ = ["FAMILIES", "install"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from ..tensor import SpatialTensor, unwrap, wrap
 from ._common import localize
@@ -32,8 +33,7 @@ def autograd_grad(outputs, inputs, grad_outputs=None, **kwargs):
     single = isinstance(inputs, torch.Tensor)
     inputs = (inputs,) if single else tuple(inputs)
     outputs, seeds = _seeded(outputs, grad_outputs, inputs)
-    with torch._C.DisableTorchFunctionSubclass():
-        grads = torch.autograd.grad(outputs, inputs, seeds, **kwargs)
+    grads = torch.autograd.grad(_plain(outputs), _edges(inputs), seeds, **kwargs)
     return tuple(
         wrap(unwrap(g)[0], x.shard_layout) if isinstance(x, SpatialTensor) and g is not None else g
         for x, g in zip(inputs, grads)
@@ -47,12 +47,24 @@ def autograd_backward(
     gradients of sharded leaves accumulate sharded like them (``x.grad``)."""
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())
     tensors, seeds = _seeded(tensors, grad_variables if grad_tensors is None else grad_tensors, inputs)  # legacy name
-    with torch._C.DisableTorchFunctionSubclass():
-        torch.autograd.backward(tensors, seeds, retain_graph, create_graph, inputs=inputs or None)
+    torch.autograd.backward(_plain(tensors), seeds, retain_graph, create_graph, inputs=_edges(inputs) or None)
 
 
 def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
     autograd_backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+
+def _plain(outputs: tuple) -> tuple:
+    """Outputs as plain aliases (still in the graph), so that torch runs the engine itself instead of asking our
+    handler again. The engine runs with torch function on: code that runs inside the backward (the forward that
+    ``torch.utils.checkpoint`` recomputes, a user's autograd Function) dispatches on shards as in the forward."""
+    return tuple(o.to_local() if isinstance(o, SpatialTensor) else o for o in outputs)
+
+
+def _edges(inputs: tuple) -> tuple:
+    """Inputs as the graph's edges to them (a plain alias would be a new node that no output depends on)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return tuple(get_gradient_edge(x) if isinstance(x, SpatialTensor) else x for x in inputs)
 
 
 def _seeded(outputs, grad_outputs, inputs) -> tuple[tuple, list]:

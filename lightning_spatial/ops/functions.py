@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch.autograd.function import Function, _is_setup_context_defined
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 from ..collectives import across
 from ..layout import Layout, LayoutError
@@ -255,13 +254,4 @@ def _raise_outside(cls: type, what: str) -> None:
     )
 
 
-def reentrant_checkpoint(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
-    """``torch.utils.checkpoint(use_reentrant=True)`` on shards runs as the non-reentrant checkpoint (the same
-    gradients): its backward re-enters autograd, which leaves a replicated input's gradient as this rank's share
-    (docs/design.md), where a Function's backward returns the true one."""
-    return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
-
-
-HANDLERS = {CheckpointFunction: reentrant_checkpoint}
-
-__all__ = ["HANDLERS", "apply", "install", "reentrant_checkpoint"]
+__all__ = ["apply", "install"]

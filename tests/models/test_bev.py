@@ -8,6 +8,7 @@ import math
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 import torchmetrics
 import torchvision
 
@@ -513,6 +514,38 @@ def test_deformable_sampling_at_cell_centres_reads_the_cells():
         for level, value in enumerate(maps)
     )
     torch.testing.assert_close(deformable_sample(maps, locations, weights), expected)
+
+
+def test_deformable_sampling_keeps_its_inputs_for_the_backward_not_its_samples():
+    """As mmcv's kernel, ``deformable_sample`` samples again in the backward: autograd keeps the maps, locations and
+    weights, never a level's P samples per query cell (P times the output); the gradients are those of sampling
+    and weighting in one go."""
+    from lightning_spatial.models.bev.deformable import deformable_sample
+
+    g = torch.Generator().manual_seed(0)
+    maps = [torch.randn(2, 8, 7, 9, generator=g, dtype=torch.float64), torch.randn(2, 8, 4, 5, generator=g).double()]
+    locations = torch.rand(2, 2, 4, 6, 5, 2, generator=g, dtype=torch.float64)  # (B', L, P, X, Y, 2)
+    weights = torch.rand(2, 2, 4, 6, 5, generator=g, dtype=torch.float64)
+    ours = [t.clone().requires_grad_() for t in (*maps, locations, weights)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = deformable_sample(ours[:2], *ours[2:])
+    samples = 2 * 8 * 4 * 6 * 5  # one level's samples
+    assert saved and max(saved) < samples, saved
+    upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(upstream)
+    plain = [t.clone().requires_grad_() for t in (*maps, locations, weights)]
+    expected = sum(
+        (
+            F.grid_sample(value, (2 * plain[2][:, level] - 1).flatten(1, 2), align_corners=False).unflatten(2, (4, 6))
+            * plain[3][:, level, None]
+        ).sum(2)
+        for level, value in enumerate(plain[:2])
+    )
+    expected.backward(upstream)
+    torch.testing.assert_close(out, expected)
+    for name, a, b in zip(("map 0", "map 1", "locations", "weights"), ours, plain):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
 def test_bevformer_pillars_are_the_projected_cell_centres_and_hit_where_a_camera_sees_them():

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lightning_spatial import SpatialTensor, fallback_mode, gather, shard
 from tests.oracle import assert_rel_close
@@ -43,3 +44,28 @@ def _case(layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_gradients_of_sharded_inputs(layout):
     run_spmd(_case, LAYOUTS[layout][0], layout)
+
+
+def _checkpointed(layout):
+    """A checkpointed block under ``y.backward(g)`` and ``torch.autograd.grad`` of a sharded ``y`` (the handlers'
+    path into autograd): the forward that the backward recomputes runs on shards, with halos, as the first did."""
+    torch.manual_seed(0)
+    full, w, upstream = torch.randn(2, 3, 10, 9), torch.randn(3, 3, 3, 3), torch.randn(2, 3, 10, 9)
+
+    def block(x):
+        return F.conv2d(F.gelu(F.conv2d(x, w, padding=1)), w, padding=1)
+
+    reference = full.clone().requires_grad_()
+    block(reference).backward(upstream)
+    with fallback_mode("error"):
+        x, y = (shard(full, axes(layout)).requires_grad_() for _ in range(2))
+        checkpoint(block, x, use_reentrant=False).backward(shard(upstream, axes(layout)))
+        (direct,) = torch.autograd.grad(checkpoint(block, y, use_reentrant=False), y, shard(upstream, axes(layout)))
+    for how, got in (("y.backward(g)", x.grad), ("torch.autograd.grad", direct)):
+        assert isinstance(got, SpatialTensor) and got.shard_layout == x.shard_layout, how
+        assert_rel_close(gather(got), reference.grad, how)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_checkpoint_recomputes_on_shards_inside_the_handlers_backward(layout):
+    run_spmd(_checkpointed, LAYOUTS[layout][0], layout)

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def deformable_sample(maps: list[torch.Tensor], locations: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -21,14 +22,21 @@ def deformable_sample(maps: list[torch.Tensor], locations: torch.Tensor, weights
     ``weights`` ``(B', L, P, X, Y)`` -> ``(B', Ch, X, Y)``, every query cell's weighted sum of its samples.
 
     A level's P points of every query cell are sampled as one image of P * X rows by Y columns, so the samples keep
-    the query map's (X, Y) cells as their last two dims."""
+    the query map's (X, Y) cells as their last two dims. The backward keeps only the inputs and samples again, as
+    mmcv's kernel does: the samples are P times the output (1.8 GiB a level in a BEVFormer-base cross-attention
+    layer, fp32)."""
     out = 0
     for level, value in enumerate(maps):
-        points, rows = locations.shape[2:4]
         grid = (2 * locations[:, level] - 1).flatten(1, 2)  # (B', P * X, Y, 2)
-        sampled = F.grid_sample(value, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-        out = out + (sampled.unflatten(2, (points, rows)) * weights[:, level, None]).sum(2)
+        out = out + checkpoint(_weighted_samples, value, grid, weights[:, level], use_reentrant=False)
     return out
+
+
+def _weighted_samples(value: torch.Tensor, grid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One level: ``value`` sampled at ``grid`` (B', P * X, Y, 2), weighted by ``weights`` (B', P, X, Y), summed
+    over the P points -> (B', Ch, X, Y)."""
+    sampled = F.grid_sample(value, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return (sampled.unflatten(2, weights.shape[1:3]) * weights[:, None]).sum(2)
 
 
 def _offset_layers(dims_in: int, dims: int, heads: int, count: int, directions: int) -> tuple[nn.Linear, nn.Linear]:
