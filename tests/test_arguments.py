@@ -25,6 +25,15 @@ CASES = [  # (module, arguments, message); test ids: position-argument
     (LiftSplat.tiny, dict(bev_size=(32, 0)), r"bev_size\[1\] must be an integer >= 1, got 0"),
     (LiftSplat.tiny, dict(max_detections=-1), r"max_detections must be an integer >= 0, got -1"),
     (LiftSplat.tiny, dict(weight_decay=-0.1), r"weight_decay must be a number >= 0, got -0.1"),
+    (LiftSplat.tiny, dict(bev_encoder="resnet"), r"bev_encoder must be 'convs' .* or a timm ResNet .*got 'resnet'"),
+    (LiftSplat.tiny, dict(bev_encoder="convnext_atto"), r"bev_encoder must be 'convs' .*got 'convnext_atto'"),
+    (
+        LiftSplat.tiny,
+        dict(bev_encoder="resnet18", bev_size=(60, 60)),
+        r"bev_size=\[60, 60\] does not fit bev_encoder='resnet18': its stride-8 stage .* multiples of 8 "
+        r"\(X=60, Y=60\); use bev_size=\[64, 64\] .* or bev_encoder='convs'",
+    ),
+    (SimpleBEV, dict(bev_size=(200, 196)), r"bev_size=\[200, 196\] does not fit .*use bev_size=\[200, 200\]"),
     (SimpleBEV.tiny, dict(z_bins=0), r"z_bins must be an integer >= 1, got 0"),
     (SimpleBEV.tiny, dict(bev_layers=0), r"bev_layers must be an integer >= 1, got 0"),
     (SimpleBEV.tiny, dict(point_cloud_range=[-50, -50, -5, 50, -60, 3]), r"point_cloud_range must be .* y0 < y1"),

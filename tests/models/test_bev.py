@@ -16,6 +16,7 @@ from lightning_spatial import SpatialParallelStrategy
 from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 from lightning_spatial.models.bev import boxes as box_code
 from lightning_spatial.models.bev.backbone import ImageEncoder
+from lightning_spatial.models.bev.bev_encoder import ResNetBEVEncoder
 from lightning_spatial.models.bev.center_head import CenterHead
 from lightning_spatial.models.bev.denoise import denoising_queries
 from lightning_spatial.models.bev.geometry import BEVGrid, frustum_to_ego, pixel_centres, project
@@ -297,6 +298,26 @@ def test_simple_bev_averages_the_cameras_that_see_each_voxel():
     expected = (seen[:, None] * per_camera[:, :, None, None, None]).sum(0) / seen.sum(0).clamp(min=1)
     assert clean.sum() > 3000 and (seen.sum(0)[clean] == 2).sum() > 50  # includes overlaps of two cameras
     torch.testing.assert_close(bev[:, clean], expected[:, clean])
+
+
+@pytest.mark.parametrize("name, skip, deep", [("resnet18", 64, 256), ("resnet34", 64, 256), ("resnet50", 256, 1024)])
+def test_the_resnet_bev_encoder_returns_to_the_grid_with_the_trunks_widths(name, skip, deep):
+    """Lift-Splat-Shoot's layout on timm's stages: the stem and layer1 at stride 2, layer2 at 4, layer3 at 8, then
+    back at the grid's size (40 x 24, not square); the skip takes layer1's and layer3's widths as the model has them."""
+    encoder = ResNetBEVEncoder(name, 16, 24)
+    shapes = {}
+    for part in ("stem", "layer1", "layer2", "layer3"):
+        getattr(encoder, part).register_forward_hook(lambda m, a, out, part=part: shapes.update({part: out.shape[1:]}))
+    with torch.no_grad():
+        out = encoder(torch.randn(2, 16, 40, 24))
+    assert out.shape == (2, 24, 40, 24)
+    assert [tuple(shapes[p][1:]) for p in ("stem", "layer1", "layer2", "layer3")] == [
+        (20, 12),
+        (20, 12),
+        (10, 6),
+        (5, 3),
+    ]
+    assert (shapes["layer1"][0], shapes["layer3"][0], encoder.fuse[0].in_channels) == (skip, deep, skip + deep)
 
 
 # --- modules --------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The unchanged BEV modules on width-sharded images (2 gloo ranks, float64): loss and image gradient equal
-the single-process ones, with every op on a spatial handler: Lift-Splat's voxel pooling (``index_add``) and
-PETRv2's cross-attention over camera tokens included; empty inputs too (no queries, samples and whole batches
-without boxes), as on one device. A module may take the exact gather fallback only for the
-ops in its ``allowed`` set (none today), so a new fallback fails here."""
+"""The unchanged BEV modules on width-sharded images (2 gloo ranks, float64): loss and image gradient equal the
+single-process ones, with every op on a spatial handler: Lift-Splat's voxel pooling (``index_add``), PETRv2's
+cross-attention over camera tokens and, with the BEV plane sharded, the ResNet BEV encoder included; empty inputs
+too (no queries, samples and whole batches without boxes), as on one device. A module may take the exact gather
+fallback only for the ops in its ``allowed`` set (none today), so a new fallback fails here."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from tests.spmd import LAYOUTS, axes, run_spmd
 CASES = {  # name -> (model, its options, box counts per sample, allowed fallbacks)
     "lift_splat": (LiftSplat.tiny, {}, [3], set()),  # voxel pooling of the frustum features: ops.index
     "simple_bev": (SimpleBEV.tiny, {}, [3], set()),
+    "lift_splat_resnet": (LiftSplat.tiny, dict(bev_encoder="resnet18"), [3], set()),  # the replicated BEV's ResNet
+    "simple_bev_resnet": (SimpleBEV.tiny, dict(bev_encoder="resnet18"), [3], set()),
     "petrv2": (PETR.tiny, dict(temporal=True, feature_guided_pe=True), [3], set()),  # cross-attention: ops.attention
     "petr_denoising": (PETR.tiny, dict(denoise_groups=2), [3], set()),  # extra queries, a self-attention mask
     # empty inputs: a sample without boxes beside one with boxes, a batch without any, no matching queries
@@ -81,13 +83,19 @@ def test_petr_is_unaffected_by_bev_shard(name):
     run_spmd(_case, 2, name, "xy", timeout=300)
 
 
-def _bev_plane_case(name: str, layout: str, mode: str):
-    """The BEV plane sharded too (``bev_shard``): the splat ends sharded over the grid's cells, and the BEV encoder,
-    the CenterPoint head, its loss and its decoding run on them, no fallback; loss, image gradient, every parameter
-    gradient and BatchNorm buffer, and the decoded boxes equal one process's."""
+def _bev_plane_case(name: str, layout: str, mode: str, encoder: str):
+    """The BEV plane sharded too (``bev_shard``): the splat ends sharded over the grid's cells, and the BEV encoder
+    (the conv stack, or the ResNet: a 7x7 stride-2 stem, strided stages, bilinear x4 and x2 upsampling with
+    ``align_corners=True``, a concatenated skip), the CenterPoint head, its loss and its decoding run on them, no
+    fallback; loss, image gradient, every parameter gradient and BatchNorm buffer, and the decoded boxes equal one
+    process's."""
     make = {"lift_splat": LiftSplat.tiny, "simple_bev": SimpleBEV.tiny}[name]
     torch.manual_seed(0)
-    reference = make().double()
+    reference = make(bev_encoder=encoder).double()
+    if encoder != "convs":  # timm zeroes each block's last BatchNorm scale: random ones let every conv reach the loss
+        for m in reference.bev_encoder.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                torch.nn.init.uniform_(m.weight, 0.5, 1.5)
     ours = copy.deepcopy(reference)
     height = 64 if layout == "2x2" else 32  # image rows for two ranks at the backbone's stride 32
     batch = surround_batch(batch=2, cameras=2, height=height, width=96, boxes=[3, 1])
@@ -118,10 +126,11 @@ def _same_detections(mine: dict, theirs: dict) -> None:
         assert (candidates - box).abs().amax(-1).min() <= 1e-11 * scale, (box, label, score)
 
 
-@pytest.mark.parametrize("layout,mode", [("w2", "x"), ("w3", "y"), ("2x2", "xy")])
+@pytest.mark.parametrize("layout,mode", [("w2", "x"), ("w3", "y"), ("2x2", "xy")])  # w3: 4 rows at stride 8
+@pytest.mark.parametrize("encoder", ["convs", "resnet18"])
 @pytest.mark.parametrize("name", ["lift_splat", "simple_bev"])
-def test_bev_plane_sharded_is_exact(name, layout, mode):
-    run_spmd(_bev_plane_case, LAYOUTS[layout][0], name, layout, mode, timeout=300)
+def test_bev_plane_sharded_is_exact(name, encoder, layout, mode):
+    run_spmd(_bev_plane_case, LAYOUTS[layout][0], name, layout, mode, encoder, timeout=300)
 
 
 def _bevformer_case(layout: str, mode: str | None, temporal: bool, dtype: torch.dtype):

@@ -18,6 +18,7 @@ import torchmetrics
 
 from ..._arguments import integers, numbers, positive, sizes
 from .batch import check_contents, check_shapes
+from .bev_encoder import check_bev_encoder
 
 NUSCENES_RANGE = (-51.2, -51.2, -5.0, 51.2, 51.2, 3.0)
 TARGETS = ("boxes", "labels", "attributes", "ignore_regions")  # the batch's per-sample lists the metric reads
@@ -155,4 +156,6 @@ def check_arguments(hparams: Mapping[str, Any]) -> None:
         raise ValueError(f"depth_range must be (near, far) metres with 0 < near < far, got {list(depth)}")
     if "bev_size" in hparams:
         sizes("bev_size", hparams["bev_size"])
+    if "bev_encoder" in hparams:
+        check_bev_encoder(hparams["bev_encoder"], hparams["bev_size"])
     as_range(hparams["point_cloud_range"])

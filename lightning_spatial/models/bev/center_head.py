@@ -1,4 +1,4 @@
-"""The BEV side shared by Lift-Splat and Simple-BEV: a conv encoder over the (B, C, X, Y) grid and a
+"""The detection head shared by Lift-Splat and Simple-BEV (after their BEV encoder, ``bev_encoder.py``): a
 CenterPoint head (per-class gaussian heatmaps, box regression at the centre cells, max-pool peak decoding).
 
 Targets are dense (B, K, X, Y) / (B, 10, X, Y) maps and the losses use masks by multiplication, so the head
@@ -24,11 +24,6 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 def conv_bn_relu(cin: int, cout: int) -> list[nn.Module]:
     return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
-
-
-def bev_encoder(in_channels: int, channels: int, layers: int) -> nn.Sequential:
-    widths = [in_channels] + [channels] * layers
-    return nn.Sequential(*[m for cin in widths[:-1] for m in conv_bn_relu(cin, channels)])
 
 
 def gaussian_radius(length: torch.Tensor, width: torch.Tensor, min_overlap: float = 0.1) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Lift-Splat (the BEVDet / BEVDepth family): every feature cell lifts its context features along its camera
 ray, weighted by a per-pixel depth distribution over D bins; the frustum points are pooled into a BEV grid by
-a scatter-add, then a BEV conv encoder and a CenterPoint head detect.
+a scatter-add, then a BEV encoder (``bev_encoder.py``) and a CenterPoint head detect.
 
-Tiny: ``LiftSplat.tiny()``; the defaults are paper-sized (ConvNeXt-B, 64 depth bins, 80 context channels,
-a 128 x 128 grid of 0.8 m cells).
+Tiny: ``LiftSplat.tiny()`` (a stack of conv3x3 layers as BEV encoder); the defaults are paper-sized (ConvNeXt-B, 64
+depth bins, 80 context channels, a 128 x 128 grid of 0.8 m cells, Lift-Splat-Shoot's ResNet-18 BEV encoder).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from torch import nn
 
 from .backbone import ImageEncoder
 from .base import NUSCENES_RANGE, BEVDetector, as_range, check_arguments
-from .center_head import CenterHead, bev_encoder
+from .bev_encoder import build_bev_encoder
+from .center_head import CenterHead
 from .geometry import BEVGrid, frustum_to_ego
 
 
@@ -28,6 +29,7 @@ class LiftSplat(BEVDetector):
         depth_bins=8,
         bev_size=(32, 32),
         bev_channels=32,
+        bev_encoder="convs",
         bev_layers=2,
         head_channels=32,
         lr=1e-3,
@@ -43,6 +45,7 @@ class LiftSplat(BEVDetector):
         stride: int = 16,
         bev_size: tuple[int, int] = (128, 128),
         bev_channels: int = 256,
+        bev_encoder: str = "resnet18",
         bev_layers: int = 4,
         head_channels: int = 64,
         num_classes: int = 10,
@@ -62,7 +65,7 @@ class LiftSplat(BEVDetector):
         self.encoder = ImageEncoder(backbone, embed_dims, stride, checkpoint_path)
         self.depth_net = nn.Conv2d(embed_dims, depth_bins + context_channels, 1)
         self.register_buffer("depths", torch.linspace(*depth_range, depth_bins), persistent=False)
-        self.bev_encoder = bev_encoder(context_channels, bev_channels, bev_layers)
+        self.bev_encoder = build_bev_encoder(bev_encoder, context_channels, bev_channels, bev_layers)
         self.head = CenterHead(bev_channels, num_classes, self.grid, head_channels, max_detections)
 
     def forward(self, batch) -> dict[str, torch.Tensor]:

@@ -1,9 +1,10 @@
 """Simple-BEV: the centre of every BEV cell at Z heights is projected into every camera, features are sampled
 bilinearly there (``F.grid_sample``) and averaged over the cameras that see the point; the (C * Z) x X x Y
-volume goes through a BEV conv encoder and the same CenterPoint head as Lift-Splat.
+volume goes through a BEV encoder (``bev_encoder.py``) and the same CenterPoint head as Lift-Splat.
 
-Tiny: ``SimpleBEV.tiny()``; the defaults are paper-sized (ConvNeXt-B, stride-8 features of 128 channels,
-a 200 x 200 grid of 0.512 m cells at 8 heights).
+Tiny: ``SimpleBEV.tiny()`` (a stack of conv3x3 layers as BEV encoder); the defaults are paper-sized (ConvNeXt-B,
+stride-8 features of 128 channels, a 200 x 200 grid of 0.512 m cells at 8 heights, Lift-Splat-Shoot's ResNet-18
+BEV encoder: ResNet stages with upsampling skips, as Simple-BEV's decoder).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torchmetrics
 
 from .backbone import ImageEncoder
 from .base import NUSCENES_RANGE, BEVDetector, as_range, check_arguments
-from .center_head import CenterHead, bev_encoder
+from .bev_encoder import build_bev_encoder
+from .center_head import CenterHead
 from .geometry import BEVGrid, project
 
 
@@ -28,6 +30,7 @@ class SimpleBEV(BEVDetector):
         bev_size=(32, 32),
         z_bins=4,
         bev_channels=32,
+        bev_encoder="convs",
         bev_layers=2,
         head_channels=32,
         lr=1e-3,
@@ -41,6 +44,7 @@ class SimpleBEV(BEVDetector):
         bev_size: tuple[int, int] = (200, 200),
         z_bins: int = 8,
         bev_channels: int = 128,
+        bev_encoder: str = "resnet18",
         bev_layers: int = 4,
         head_channels: int = 64,
         num_classes: int = 10,
@@ -58,7 +62,7 @@ class SimpleBEV(BEVDetector):
         check_arguments(self.hparams)
         self.grid = BEVGrid(as_range(point_cloud_range), tuple(bev_size))
         self.encoder = ImageEncoder(backbone, embed_dims, stride, checkpoint_path)
-        self.bev_encoder = bev_encoder(embed_dims * z_bins, bev_channels, bev_layers)
+        self.bev_encoder = build_bev_encoder(bev_encoder, embed_dims * z_bins, bev_channels, bev_layers)
         self.head = CenterHead(bev_channels, num_classes, self.grid, head_channels, max_detections)
 
     def points(self, device: torch.device) -> torch.Tensor:
