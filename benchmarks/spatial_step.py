@@ -77,6 +77,12 @@ def parse() -> argparse.Namespace:
         default=None,
         help="a BEV detector's grid, X,Y (e.g. 200,200; default: the module's own)",
     )
+    p.add_argument(
+        "--bev-encoder",
+        default=None,
+        help="Lift-Splat's and Simple-BEV's BEV encoder: convs or a timm ResNet (default: the module's own, "
+        "resnet18 paper-sized, convs tiny); rows record the one that ran",
+    )
     p.add_argument("--batch", type=int, default=7)
     p.add_argument("--height", type=int, default=512)
     p.add_argument("--widths", default="4096", help="comma list")
@@ -241,6 +247,7 @@ def _run_config(args, device, width: int, s: int, layout: str, precision: str, c
 
     def alone() -> tuple[float, float, float]:
         model, opt = build(task, device, ckpt, args.graphs == "both", args.compile == "both", args.compile_mode)
+        row.setdefault("bev_encoder", tasks.bev_encoder(model))
         step = train_step(task, model, opt, make_input(alone_shape), precision, device, args.zero_grad)
         result = measure(step, device, args.steps, args.warmup)
         if args.profile and "shard_profile" not in row:
@@ -267,6 +274,7 @@ def _run_config(args, device, width: int, s: int, layout: str, precision: str, c
         shards.append(DimShard(-1, Axis.from_group(mesh.get_group("spatial_w")), width))
     layout_obj = Layout(tuple(shards)) if shards else None
     model, opt = build(task, device, ckpt, args.graphs != "none", args.compile != "none", args.compile_mode)
+    row.setdefault("bev_encoder", tasks.bev_encoder(model))
     gradients_laid_out_like_parameters(model)  # as spatial_tp does: no stride warning or gradient copy in DDP
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
@@ -323,6 +331,7 @@ def print_table(rows: list[dict]) -> None:
         name += f" {r['precision']}" + (" ckpt" if r["ckpt"] else "")
         name += f" D={r['data']}" if r.get("data", 1) > 1 else ""
         name += f" bev={r['bev_shard']}" if r.get("bev_shard", "none") != "none" else ""
+        name += f" {r['bev_encoder']}" if r.get("bev_encoder") else ""
         print(
             f"{name:60}"
             + "".join(f" {r.get(key, float('nan')):{width}.{digits}f}" for _, key, width, digits in COLUMNS)

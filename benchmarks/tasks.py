@@ -1,6 +1,7 @@
 """What benchmarks/spatial_step.py trains: a timm classifier on (B, 3, H, W) images, or a BEV detector on
 (B, N, 3, H, W) surround cameras (``--model petr``, ``lift_splat``, ``simple_bev``, ``bevformer``: the modules'
-defaults, paper-sized with ConvNeXt-B; ``petr_tiny`` etc.: their ``tiny()``; ``--cameras``).
+defaults, paper-sized with ConvNeXt-B, Lift-Splat and Simple-BEV with the ResNet-18 BEV encoder; ``petr_tiny``
+etc.: their ``tiny()``; ``--cameras``, ``--bev-size``, ``--bev-encoder``).
 
 A task builds the model, turns this rank's image block into the model's input (sharded images plus the
 replicated calibration and boxes a detector needs) and computes a loss. For a classifier the natural baseline
@@ -47,6 +48,8 @@ class DetectorTask:
         self.options = {"num_cameras": args.cameras} if module is BEVFormer else {}  # its camera embedding
         if getattr(args, "bev_size", None):
             self.options["bev_size"] = tuple(int(n) for n in args.bev_size.split(","))
+        if getattr(args, "bev_encoder", None):
+            self.options["bev_encoder"] = args.bev_encoder
         self.batch, self.cameras = args.batch, args.cameras
 
     def image_shape(self, height: int, width: int) -> tuple[int, ...]:
@@ -79,8 +82,14 @@ class DetectorTask:
 DETECTORS = ("petr", "lift_splat", "simple_bev", "bevformer")
 
 
+def bev_encoder(model: torch.nn.Module) -> str | None:
+    """The BEV encoder a Lift-Splat or Simple-BEV was built with (``"resnet18"``, ``"convs"``); None for others."""
+    hparams = getattr(getattr(model, "module", model), "hparams", None)
+    return None if hparams is None else hparams.get("bev_encoder")
+
+
 def task(args):
     return DetectorTask(args) if args.model.removesuffix("_tiny") in DETECTORS else ImageTask(args)
 
 
-__all__ = ["DETECTORS", "DetectorTask", "ImageTask", "task"]
+__all__ = ["DETECTORS", "DetectorTask", "ImageTask", "bev_encoder", "task"]

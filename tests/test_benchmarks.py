@@ -91,10 +91,15 @@ def test_petr_benchmark_smoke_on_cpu(tmp_path):
     assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows) and rows[1]["halo_mib_per_step"] > 0
 
 
-@pytest.mark.parametrize("model", ["lift_splat_tiny", "simple_bev_tiny", "bevformer_tiny"])
-def test_bev_plane_benchmark_smoke_on_cpu(tmp_path, model):
-    """The BEV detectors with their BEV grid sharded (``--bev-shard x``): one device, then one rank of 2."""
+@pytest.mark.parametrize(
+    "model, encoder",
+    [("lift_splat_tiny", None), ("lift_splat_tiny", "resnet18"), ("simple_bev_tiny", None), ("bevformer_tiny", None)],
+)
+def test_bev_plane_benchmark_smoke_on_cpu(tmp_path, model, encoder):
+    """The BEV detectors with their BEV grid sharded (``--bev-shard x``): one device, then one rank of 2; the tiny
+    Lift-Splat with its own BEV encoder (the conv stack) and with the ResNet's (``--bev-encoder``), as rows record."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "spatial_step.py"), "--device", "cpu", "--model", model]
+    cmd += ["--bev-encoder", encoder] if encoder else []
     cmd += [
         "--cameras",
         "2",
@@ -115,6 +120,8 @@ def test_bev_plane_benchmark_smoke_on_cpu(tmp_path, model):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert [(r["spatial"], r["bev_shard"]) for r in rows] == [(1, "x"), (2, "x")] and "bev=x" in done.stdout
+    expected = None if model == "bevformer_tiny" else encoder or "convs"
+    assert [r["bev_encoder"] for r in rows] == [expected, expected]
     assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows)
 
 
