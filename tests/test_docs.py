@@ -166,6 +166,9 @@ DESCRIBED = {
     r"\(both sides\)": lambda row: {row.get("compile", "none"), row.get("graphs", "none")} <= {"both", "none"},
     r"\beager shard alone\b": lambda row: "both" not in (row.get("compile", "none"), row.get("graphs", "none")),
     r"\bNCCL\b": lambda row: row["backend"] == "nccl",
+    # rows from before the ResNet BEV encoder have no "bev_encoder": the conv stack was the only one
+    r"\bconv-stack BEV encoder\b": lambda row: row.get("bev_encoder", "convs") == "convs",
+    r"\bResNet-\d+ BEV encoder\b": lambda row: row.get("bev_encoder", "convs").startswith("resnet"),
 }
 
 
