@@ -2,6 +2,8 @@
 # BEV on H200s (docs/benchmarks.md, docs/bev.md): the camera-token attention and PETR memory, then PETR training.
 #   bash tools/bev_h200.sh memory     # one GPU (fake group for S>1) and 2 GPUs over NCCL: rows to $OUT
 #   bash tools/bev_h200.sh bevformer  # BEVFormer-base-like at 900x1600, 200x200 BEV, S = 1..8 (one GPU, fake group)
+#   bash tools/bev_h200.sh bevplane   # Lift-Splat and Simple-BEV (ResNet BEV encoder) at 6x512x1408, 200x200 BEV,
+#                                       # S = 2, 4, 8, BEV replicated and sharded (one GPU, fake group)
 #   bash tools/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on ${GPUS:-2} GPUs (S = GPUS) for
 #                                       # ${MINUTES:-6} minutes;
 #                                       # called again on the warm machine it resumes (MINUTES=15, 24, ...: the total);
@@ -25,6 +27,13 @@ case "${1:-memory}" in
   bevformer)
     B="python3 benchmarks/spatial_step.py --model bevformer --cameras 6 --batch 1 --out $OUT --steps 3 --warmup 2"
     $B --height 900 --widths 1600 --spatial 1,2,4,8 --precisions fp32,bf16 --bev-shard x ;;
+  bevplane)
+    for model in lift_splat simple_bev; do
+      for bev in x none; do
+        python3 benchmarks/spatial_step.py --model $model --cameras 6 --batch 1 --height 512 --widths 1408 \
+          --bev-size 200,200 --spatial 2,4,8 --precisions fp32,bf16 --bev-shard $bev --out "$OUT" --steps 3 --warmup 2
+      done
+    done ;;
   train)
     # a warm machine keeps the run: the next call resumes from its last checkpoint (the time limit counts all calls)
     name=${EXPERIMENT:-petr_convnext} run=/tmp/${EXPERIMENT:-petr_convnext} resume=() gpus=()
