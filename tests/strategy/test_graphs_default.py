@@ -89,6 +89,7 @@ MODELS = {
     "petr": _bev_model("PETR"),
     "lift_splat": _bev_model("LiftSplat"),
     "simple_bev": _bev_model("SimpleBEV"),
+    "bevformer": _bev_model("BEVFormer"),
 }
 
 
@@ -141,7 +142,7 @@ def test_the_default_replays_the_image_encoder_and_trains_to_the_eager_weights(n
     seen = Captures()
     model, _ = _fit(build(), data(), layout, None, STEPS, callbacks=[seen])  # None: the default, "auto"
     assert seen.replaying, "nothing was captured"
-    if name in ("petr", "lift_splat", "simple_bev"):
+    if name in ("petr", "lift_splat", "simple_bev", "bevformer"):
         assert "encoder" in seen.replaying, seen.replaying
     assert not any(isinstance(m, CUDAGraphed) for m in model.modules()), "the wrapper outlived the run"
     a, b = _weights(eager), _weights(model)
