@@ -5,7 +5,9 @@ any tensor, and under a saved-tensor hook (memory accounting such as ``SpatialSu
 back as a new plain tensor: the bare local shard. The recompute would then run the block's ops on local shards
 (convolutions without halos, samples without the gathered map): a different forward, which torch's checkpoint
 reports as a shape mismatch when shapes differ, and which gives wrong gradients silently when they do not.
-``install`` makes the checkpoint remember its inputs' layouts and give the recompute SpatialTensors again.
+``install`` makes the checkpoint remember its inputs' layouts and give the recompute SpatialTensors again; a sum
+still pending or a Selection (kinds of SpatialTensor whose data is not simply this rank's shard) is handed back as
+the very object the forward read (its storage is what torch keeps anyway).
 
 The reentrant checkpoint (``CheckpointFunction``) runs as the non-reentrant one: its backward re-enters autograd,
 which leaves a replicated input's gradient as this rank's share (docs/design.md), where a Function's backward
@@ -24,7 +26,16 @@ from .functions import _APPLY, _rewrapped
 
 
 def _layouts(args: tuple) -> tuple:
-    return tuple(a._layout if isinstance(a, SpatialTensor) else None for a in args)
+    """Per argument, what the recompute needs to see it as the forward did: a shard's layout, the object itself
+    for other kinds of SpatialTensor, ``None`` for anything else."""
+    return tuple((a._layout if type(a) is SpatialTensor else a) if isinstance(a, SpatialTensor) else None for a in args)
+
+
+def _as_saved(unpacked: Any, saved: Any) -> Any:
+    """An input as the forward saw it: ``saved`` is what ``_layouts`` kept for it."""
+    if isinstance(saved, SpatialTensor):
+        return saved if type(unpacked) is not type(saved) else unpacked
+    return _rewrapped(unpacked, saved)
 
 
 def install() -> None:
@@ -43,7 +54,7 @@ def install() -> None:
     def get_inputs(self) -> list:
         inputs = get(self)
         layouts = getattr(self, "_spatial_layouts", ())
-        return [_rewrapped(a, layout) for a, layout in zip(inputs, layouts)] + inputs[len(layouts) :]
+        return [_as_saved(a, kept) for a, kept in zip(inputs, layouts)] + inputs[len(layouts) :]
 
     save_inputs._keeps_layouts = True
     frame.save_inputs, frame.get_inputs = save_inputs, get_inputs
@@ -60,7 +71,7 @@ def saved_inputs(dummy: Any, kwargs: dict, *args: Any) -> Any:
 
         def get_args(saved: tuple) -> list:
             kwargs, *inputs = get(saved)
-            return [kwargs, *map(_rewrapped, inputs, layouts)]
+            return [kwargs, *map(_as_saved, inputs, layouts)]
 
         ctx.get_args = get_args
     return out
