@@ -228,6 +228,10 @@ class CUDAGraphed(nn.Module):
     @torch.compiler.disable  # opaque to a compiled caller (dynamo must not trace a capture); a compiled module
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # inside still runs compiled
         flat, spec = tree_flatten((args, kwargs))
+        if any(isinstance(a, SpatialTensor) and type(a) is not SpatialTensor for a in flat):
+            # a sum still pending (ops.pending): reduced here, so that a capture copies the shard it reduces to
+            flat = [a.settled() if isinstance(a, SpatialTensor) else a for a in flat]
+            args, kwargs = tree_unflatten(flat, spec)
         key = self._signature(flat, spec)
         if key is None:
             return self.module(*args, **kwargs)
