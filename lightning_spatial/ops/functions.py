@@ -76,6 +76,10 @@ def _on_shards(cls: type[Function], args: tuple, kwargs: dict) -> Any:
     twin = _TWINS.get(cls) or _twin(cls)
     if twin is cls:  # torch's own, e.g. a compiled graph's runtime, which runs on the stored shards by design
         return _APPLY.__get__(None, cls)(*args, **kwargs)
+    # a sum still pending (ops.pending) or a Selection enters as the shard or tensor it settles to: the twin's
+    # gradient rules know shards and replicated tensors
+    args = tuple(_settled(a) for a in args)
+    kwargs = {k: _settled(v) for k, v in kwargs.items()}
     _OUTPUTS.append(())
     try:
         out = _APPLY.__get__(None, twin)(*args, **kwargs)
@@ -84,6 +88,10 @@ def _on_shards(cls: type[Function], args: tuple, kwargs: dict) -> Any:
     if isinstance(out, tuple):
         return tuple(_rewrapped(o, layout) for o, layout in zip(out, layouts))
     return _rewrapped(out, layouts[0])
+
+
+def _settled(a: Any) -> Any:
+    return a.settled() if isinstance(a, SpatialTensor) else a
 
 
 def _rewrapped(out: Any, layout: Any) -> Any:

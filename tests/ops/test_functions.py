@@ -164,6 +164,27 @@ def test_user_functions_match_one_device(layout, dtype):
     run_spmd(check_cases, LAYOUTS[layout][0], layout, dtype, CASES)
 
 
+def _of_a_pending_sum(layout, dtype):
+    torch.manual_seed(0)
+    feats = torch.randn(B, C, 8, 12, dtype=dtype)
+    grid = torch.rand(B, 7, 5, 2, dtype=dtype) * 2.2 - 1.1  # a 7 x 5 BEV grid sampled from the image
+    weight = torch.randn(C, C, 3, 3, dtype=dtype)
+
+    def op(x):
+        bev = F.grid_sample(x, grid, align_corners=False)  # a sum still pending into the grid
+        return F.conv2d(MemoryEfficientSwish.apply(bev), weight, padding=1)
+
+    check(op, [feats], sharded=[0], axes=axes(layout), bev_shard={"w2": "x", "w3": "y"}.get(layout, "xy"))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_function_of_a_pending_bev_sum(layout, dtype):
+    """A Function applied to a splat's sum still pending (``bev_shard``) sees the shard it reduces to; its input's
+    gradient was that of a replicated tensor (divided by the ranks) before."""
+    run_spmd(_of_a_pending_sum, LAYOUTS[layout][0], layout, DTYPES[dtype])
+
+
 def _sees_shards(layout):
     seen = []
 
