@@ -11,11 +11,17 @@ adjoint of the reduce-scatter is an all-gather: every rank's partial takes the w
 
 The destination's own values (``dest + sums``) enter once, after the reduction, as they do without the option. A
 pending sum read twice is reduced once.
+
+Samples that every rank would compute whole (``grid_sample`` of a gathered input at replicated points: BEVFormer's
+first cross-attention, before its BEV queries are sharded) are not computed until the first reader cuts them
+(``pending_samples``): then each rank samples only the points of its own cells. Views that keep the samples' order
+and their first two dims (``view``, ``reshape``, ``unflatten``, ...) stay lazy; any other op computes every sample
+first, as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_map
@@ -52,6 +58,23 @@ _VIEWS = frozenset(
     }
 )
 _QUERIES = LOCAL | frozenset(GLOBAL)
+# views that keep the elements' order: lazy samples stay lazy through them (dims 0 and 1 kept)
+_IN_ORDER = frozenset(
+    {
+        torch.Tensor.view,
+        torch.Tensor.reshape,
+        torch.reshape,
+        torch.Tensor.flatten,
+        torch.flatten,
+        torch.Tensor.unflatten,
+        torch.unflatten,
+        torch.Tensor.unsqueeze,
+        torch.unsqueeze,
+        torch.Tensor.squeeze,
+        torch.squeeze,
+        torch.Tensor.contiguous,
+    }
+)
 
 
 class PendingSum(SpatialTensor):
@@ -63,6 +86,7 @@ class PendingSum(SpatialTensor):
     _addend: torch.Tensor | None
     _reduced: torch.Tensor | None
     _whole: bool  # the same sum on every rank: cut, not reduced
+    _samples: _Samples | None  # whole samples not computed yet (its data is then a placeholder without memory)
 
     def settled(self) -> torch.Tensor:
         return resolve(self)
@@ -82,6 +106,8 @@ class PendingSum(SpatialTensor):
             with _Plain():
                 return func(*args, **kwargs)
         first = args[0] if args else None
+        if func in _VIEWS and type(first) is PendingSum and first._samples is not None:
+            return _viewed_samples(func, first, args[1:], kwargs)
         if func in _VIEWS and type(first) is PendingSum:
             with _Plain():
                 partial = func(first.as_subclass(torch.Tensor), *args[1:], **kwargs)
@@ -110,7 +136,59 @@ def pending(
     with _Plain():
         out = partial.as_subclass(PendingSum)
     out._axes, out._addend, out._reduced, out._layout, out._whole = axes, base, None, Layout(()), whole
+    out._samples = None
     return out
+
+
+class _Samples:
+    """Samples left to compute: ``sample(points)`` maps points laid out as the samples, ``(N, k, ...)`` with the
+    ``k`` coordinates in dim 1, to the samples ``(N, C, ...)``; run in the grad mode they were asked in."""
+
+    def __init__(self, sample: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor) -> None:
+        self.sample, self.points, self.grad = sample, points, torch.is_grad_enabled()
+
+    def at(self, points: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(self.grad):
+            return self.sample(points)
+
+
+def pending_samples(
+    sample: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor, channels: int, axes: Sequence, like
+) -> torch.Tensor:
+    """``sample(points)``, the same on every rank (module docstring; ``_Samples`` for the layout of ``points``):
+    under ``Run.bev_shard`` a pending sum that samples only this rank's cells when its first reader cuts it, else
+    computed now. ``like``: a tensor of the samples' dtype and device, whether they need gradients."""
+    axes = tuple(getattr(a, "axis", a) for a in axes)
+    if current().bev_shard is None or not axes or _dynamo_compiling():
+        return sample(points)
+    with _Plain():
+        shape = (points.shape[0], channels, *points.shape[2:])
+        placeholder = like.new_empty(()).expand(shape).requires_grad_(like.requires_grad or points.requires_grad)
+    out = pending(placeholder, axes, whole=True)
+    out._samples = _Samples(sample, points)
+    return out
+
+
+def _viewed_samples(func, first: PendingSum, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A view of samples not computed yet: still lazy if it keeps their order and first two dims, else every
+    sample computed, then viewed (an ordinary whole pending sum)."""
+    with _Plain():
+        placeholder = first.as_subclass(torch.Tensor)
+        try:
+            shape = func(placeholder, *args, **kwargs).shape if func in _IN_ORDER else None
+        except RuntimeError:
+            shape = None
+    if shape is not None and tuple(shape[:2]) == tuple(placeholder.shape[:2]):
+        return pending_samples(first._samples.sample, _points_as(first._samples.points, shape), shape[1], first._axes,
+                               placeholder)  # fmt: skip
+    whole = first._samples.at(first._samples.points).view(placeholder.shape)
+    with _Plain():
+        return pending(func(whole, *args, **kwargs), first._axes, None, True)
+
+
+def _points_as(points: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Points laid out as samples of ``shape`` (the coordinates in dim 1)."""
+    return points.reshape(shape[0], points.shape[1], *shape[2:])
 
 
 def resolve(p: PendingSum) -> torch.Tensor:
@@ -135,7 +213,11 @@ def _reduce(p: PendingSum) -> torch.Tensor:
             )
     # one axis per plane dim; axes beyond them are all-reduced
     shards = [DimShard(d, a, partial.shape[d]) for d, a in zip(dims, p._axes)]
-    if p._whole:
+    if p._samples is not None:
+        layout = Layout(tuple(shards)) if shards else None
+        points = layout.take_local(p._samples.points) if layout else p._samples.points
+        total = wrap(p._samples.at(points), layout)  # this rank's cells only
+    elif p._whole:
         layout = Layout(tuple(shards)) if shards else None
         total = wrap(layout.take_local(partial).contiguous(), layout) if layout else partial  # frees the rest
     else:
@@ -161,4 +243,4 @@ def reduced_into(partial: torch.Tensor, axes: Sequence[Axis], shards: Sequence[D
     return wrap(total, layout)
 
 
-__all__ = ["PendingSum", "pending", "reduced_into", "resolve"]
+__all__ = ["PendingSum", "pending", "pending_samples", "reduced_into", "resolve"]

@@ -36,7 +36,7 @@ from ..fallback import fallback
 from ..layout import Layout
 from ..tensor import gather, unwrap, wrap
 from ._common import eager_backward, spatial_shards
-from .pending import pending, reduced_into
+from .pending import pending, pending_samples, reduced_into
 
 _MODES = ("bilinear", "nearest", "bicubic")  # torch's enum order (torch.grid_sampler's interpolation_mode)
 _PADDINGS = ("zeros", "border", "reflection")
@@ -90,15 +90,29 @@ def _sample(input, grid, mode: str, padding: str, align: bool, dims: int | None)
     if layout is None or (points is not None and not _by_points(points, layout, grid.dim())):
         return fallback(F.grid_sample, (input, grid), kwargs)
     if _input_is_smaller(x, layout, local_grid, points):
-        out = F.grid_sample(gather(input), local_grid, **kwargs)
-        if points is None:  # every rank has the whole output: with bev_shard, cut to its cells (ops.pending)
-            return pending(out, layout.shards, whole=True)
-        return wrap(out, _like_points(points))
+        full = gather(input)
+        if points is None:  # the whole output on every rank: with bev_shard, each samples its cells (ops.pending)
+            return pending_samples(_at_points(full, kwargs), local_grid.movedim(-1, 1), full.shape[1], layout.shards,
+                                   full)  # fmt: skip
+        return wrap(F.grid_sample(full, local_grid, **kwargs), _like_points(points))
     whole = gather(grid)  # a sharded grid: every rank samples every point in its own part of the input
     out = checkpoint(_sampled, x, whole, layout, mode, padding, align, use_reentrant=False)
     if points is None:
         return pending(out, layout.shards)  # replicated, or sharded like the grid's cells (ops.pending)
     return reduced_into(out, [s.axis for s in layout.shards], _like_points(points).shards)
+
+
+def _at_points(full: torch.Tensor, kwargs: dict):
+    """Samples of ``full`` at points laid out as the samples, ``(N, k, ..., W)`` with the ``k`` coordinates in dim
+    1 -> ``(N, C, ..., W)``: any block of the grid's points (``ops.pending.pending_samples``)."""
+
+    def sample(points: torch.Tensor) -> torch.Tensor:
+        n, k, *rest = points.shape
+        grid = points.movedim(1, -1).reshape(n, *[1] * (full.dim() - 4), -1, rest[-1], k)
+        with torch.autocast(full.device.type, enabled=False):  # cast before (``_autocast``): the same dtype later
+            return F.grid_sample(full, grid, **kwargs).reshape(n, full.shape[1], *rest)
+
+    return sample
 
 
 def _sampled(x, whole, layout: Layout, mode: str, padding: str, align: bool) -> torch.Tensor:

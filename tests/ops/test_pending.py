@@ -20,7 +20,7 @@ from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
 B, C, X, Y = 2, 3, 7, 5  # odd cell counts: uneven shards of the grid too
-SPLATS = ("index_add", "scatter_add", "index_put", "grid_sample", "grid_sample_points")
+SPLATS = ("index_add", "scatter_add", "index_put", "grid_sample", "grid_sample_points", "grid_sample_transposed")
 MODES = {"w2": "x", "w3": "y", "h2": "xy", "2x2": "xy"}  # 2x2 with "xy": 2-D tiles over the two axes
 
 
@@ -31,6 +31,10 @@ def _splat(kind: str, feats: torch.Tensor, cells: torch.Tensor, grid: torch.Tens
         return F.grid_sample(feats, grid, align_corners=False)
     if kind == "grid_sample_points":  # BEVFormer: 4 points per cell stacked as rows, more samples than the image
         return F.grid_sample(feats, grid, align_corners=False).unflatten(2, (4, X)).mean(2)
+    if kind == "grid_sample_transposed":  # the same points as columns, transposed first: every sample computed
+        return (
+            F.grid_sample(feats, grid.transpose(1, 2), align_corners=False).transpose(2, 3).unflatten(2, (4, X)).mean(2)
+        )
     rows = feats.permute(0, 2, 3, 1).reshape(-1, C)  # (B*h*w, C), a token dim merged from the sharded map
     if kind == "index_add":  # Lift-Splat's voxel pooling
         flat = dest.index_add(0, cells, rows)
@@ -45,7 +49,7 @@ def _bev_case(layout: str, kind: str, dtype: torch.dtype, mode: str, then: str):
     torch.manual_seed(0)
     feats = torch.randn(B, C, 6, 12, dtype=dtype)
     cells = torch.randint(0, B * X * Y, (B * 6 * 12,))
-    points = 4 if kind == "grid_sample_points" else 1  # 4: the image is gathered and sampled whole, then cut
+    points = 4 if kind.startswith("grid_sample_") else 1  # 4: the image is gathered and sampled, then cut
     grid = torch.rand(B, points * X, Y, 2, dtype=dtype) * 2.4 - 1.2  # some cells project outside the image
     weight = torch.randn(4, C, 3, 3, dtype=dtype)
     dest = torch.randn(B * X * Y, C, dtype=dtype)
@@ -177,3 +181,29 @@ def counting_reductions():
 def test_an_inplace_write_into_pending_sums_raises():
     """Writing into the sums before they are reduced would update a tensor the name no longer means: a clear error."""
     run_spmd(_inplace_case, 2)
+
+
+def _lazy_case(layout: str):
+    """The samples of a gathered image at replicated points stay uncomputed through views in order, and the first
+    reader samples only this rank's cells."""
+    torch.manual_seed(0)
+    feats = shard(torch.randn(B, C, 6, 12), axes(layout))
+    grid = torch.rand(B, 4 * X, Y, 2) * 2.4 - 1.2
+    asked = []
+    at = pending_module._Samples.at
+    with entered(Run(fallback="error", bev_shard=MODES[layout])):
+        samples = F.grid_sample(feats, grid, align_corners=False)
+        stacked = samples.unflatten(2, (4, X))
+        assert samples._samples is not None and stacked._samples is not None  # nothing sampled yet
+        pending_module._Samples.at = lambda self, points: asked.append(tuple(points.shape)) or at(self, points)
+        try:
+            out = stacked.mean(2).to_local()
+        finally:
+            pending_module._Samples.at = at
+    assert asked == [(B, 2, 4, *out.shape[-2:])], (asked, out.shape)  # this rank's cells' points only
+    assert out.shape[-2:] != (X, Y)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_samples_are_computed_at_this_ranks_cells_only(layout):
+    run_spmd(_lazy_case, LAYOUTS[layout][0], layout)
