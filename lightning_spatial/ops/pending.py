@@ -151,6 +151,12 @@ class _Samples:
         with torch.set_grad_enabled(self.grad):
             return self.sample(points)
 
+    def laid_out(self, shape: Sequence[int]) -> _Samples:
+        """The same samples with their points laid out as samples of ``shape`` (a view in order of them)."""
+        out = _Samples(self.sample, self.points.reshape(shape[0], self.points.shape[1], *shape[2:]))
+        out.grad = self.grad
+        return out
+
 
 def pending_samples(
     sample: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor, channels: int, axes: Sequence, like
@@ -161,11 +167,16 @@ def pending_samples(
     axes = tuple(getattr(a, "axis", a) for a in axes)
     if current().bev_shard is None or not axes or _dynamo_compiling():
         return sample(points)
+    shape = (points.shape[0], channels, *points.shape[2:])
+    return _lazy(_Samples(sample, points), shape, like, like.requires_grad or points.requires_grad, axes)
+
+
+def _lazy(samples: _Samples, shape: Sequence[int], like, requires_grad: bool, axes: tuple) -> PendingSum:
+    """A pending sum of ``samples`` not computed yet: its data is a placeholder of their shape, without memory."""
     with _Plain():
-        shape = (points.shape[0], channels, *points.shape[2:])
-        placeholder = like.new_empty(()).expand(shape).requires_grad_(like.requires_grad or points.requires_grad)
+        placeholder = like.new_empty(()).expand(shape).requires_grad_(requires_grad)
     out = pending(placeholder, axes, whole=True)
-    out._samples = _Samples(sample, points)
+    out._samples = samples
     return out
 
 
@@ -179,16 +190,10 @@ def _viewed_samples(func, first: PendingSum, args: tuple, kwargs: dict) -> torch
         except RuntimeError:
             shape = None
     if shape is not None and tuple(shape[:2]) == tuple(placeholder.shape[:2]):
-        return pending_samples(first._samples.sample, _points_as(first._samples.points, shape), shape[1], first._axes,
-                               placeholder)  # fmt: skip
-    whole = first._samples.at(first._samples.points).view(placeholder.shape)
+        return _lazy(first._samples.laid_out(shape), shape, placeholder, placeholder.requires_grad, first._axes)
+    whole = first._samples.at(first._samples.points)
     with _Plain():
         return pending(func(whole, *args, **kwargs), first._axes, None, True)
-
-
-def _points_as(points: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Points laid out as samples of ``shape`` (the coordinates in dim 1)."""
-    return points.reshape(shape[0], points.shape[1], *shape[2:])
 
 
 def resolve(p: PendingSum) -> torch.Tensor:

@@ -185,15 +185,16 @@ def test_an_inplace_write_into_pending_sums_raises():
 
 def _lazy_case(layout: str):
     """The samples of a gathered image at replicated points stay uncomputed through views in order, and the first
-    reader samples only this rank's cells."""
+    reader samples only this rank's cells, in the grad mode the samples were asked in."""
     torch.manual_seed(0)
-    feats = shard(torch.randn(B, C, 6, 12), axes(layout))
+    feats = shard(torch.randn(B, C, 6, 12), axes(layout)).requires_grad_()
     grid = torch.rand(B, 4 * X, Y, 2) * 2.4 - 1.2
     asked = []
     at = pending_module._Samples.at
     with entered(Run(fallback="error", bev_shard=MODES[layout])):
         samples = F.grid_sample(feats, grid, align_corners=False)
-        stacked = samples.unflatten(2, (4, X))
+        with torch.no_grad():
+            stacked = samples.unflatten(2, (4, X))
         assert samples._samples is not None and stacked._samples is not None  # nothing sampled yet
         pending_module._Samples.at = lambda self, points: asked.append(tuple(points.shape)) or at(self, points)
         try:
@@ -201,6 +202,7 @@ def _lazy_case(layout: str):
         finally:
             pending_module._Samples.at = at
     assert asked == [(B, 2, 4, *out.shape[-2:])], (asked, out.shape)  # this rank's cells' points only
+    assert out.requires_grad
     assert out.shape[-2:] != (X, Y)
 
 
