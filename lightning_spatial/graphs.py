@@ -34,7 +34,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import run
-from .tensor import SpatialTensor, wrap
+from .tensor import SpatialTensor, settled, wrap
 
 
 def _is(a: Any) -> bool:
@@ -230,7 +230,7 @@ class CUDAGraphed(nn.Module):
         flat, spec = tree_flatten((args, kwargs))
         if any(isinstance(a, SpatialTensor) and type(a) is not SpatialTensor for a in flat):
             # a sum still pending (ops.pending): reduced here, so that a capture copies the shard it reduces to
-            flat = [a.settled() if isinstance(a, SpatialTensor) else a for a in flat]
+            flat = [settled(a) for a in flat]
             args, kwargs = tree_unflatten(flat, spec)
         key = self._signature(flat, spec)
         if key is None:

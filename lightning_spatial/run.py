@@ -37,9 +37,8 @@ class Run:
     zero_undelivered: bool = False  # the planner's probe: fake groups deliver nothing, receive zeros instead
     bev_shard: str | None = None  # sums into a BEV grid end sharded along "x", "y" or "xy" (ops.pending), or replicated
     warned: set[tuple[str, str]] = field(default_factory=set)  # (op, module) fallbacks announced in "warn" mode
-    index_rows: WeakIdKeyDictionary = field(
-        default_factory=WeakIdKeyDictionary
-    )  # a mask or indices -> rows (selection)
+    # a mask or index tensor -> the rows it selects, by kind (ops.selection)
+    index_rows: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
     def __post_init__(self) -> None:
         check_fallback_mode(self.fallback)

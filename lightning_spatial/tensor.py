@@ -179,9 +179,15 @@ def shard(tensor: torch.Tensor, dims: Mapping[int, Axis]) -> SpatialTensor:
     return wrap(layout.take_local(tensor), layout)
 
 
+def settled(x: Any) -> Any:
+    """``x`` as a shard or a replicated tensor (``SpatialTensor.settled``: a sum still pending is reduced, a
+    Selection made whole); anything else as it is."""
+    return x.settled() if isinstance(x, SpatialTensor) else x
+
+
 def gather(x: torch.Tensor) -> torch.Tensor:
     """The full tensor on every rank (differentiable; plain tensors are returned as they are)."""
-    local, layout = unwrap(x.settled() if isinstance(x, SpatialTensor) else x)
+    local, layout = unwrap(settled(x))
     if layout is None:
         return local
     for dim in layout.dims:
@@ -206,4 +212,4 @@ def _gather_dim(local: torch.Tensor, dim: int, factors) -> torch.Tensor:
     return local
 
 
-__all__ = ["SpatialTensor", "adopt", "gather", "on_shard", "shard", "unwrap", "wrap"]
+__all__ = ["SpatialTensor", "adopt", "gather", "on_shard", "settled", "shard", "unwrap", "wrap"]

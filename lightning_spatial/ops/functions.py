@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from ..collectives import across
 from ..layout import Layout, LayoutError
 from ..registry import _HANDLERS
-from ..tensor import _GRAPH_OPS, SpatialTensor, gather, unwrap, wrap
+from ..tensor import _GRAPH_OPS, SpatialTensor, gather, settled, unwrap, wrap
 
 _APPLY = Function.__dict__["apply"]  # torch's own (a C++ classmethod in 2.14, Python in 2.11)
 _SAVED = torch._C._FunctionBase.saved_tensors.__get__
@@ -78,8 +78,8 @@ def _on_shards(cls: type[Function], args: tuple, kwargs: dict) -> Any:
         return _APPLY.__get__(None, cls)(*args, **kwargs)
     # a sum still pending (ops.pending) or a Selection enters as the shard or tensor it settles to: the twin's
     # gradient rules know shards and replicated tensors
-    args = tuple(_settled(a) for a in args)
-    kwargs = {k: _settled(v) for k, v in kwargs.items()}
+    args = tuple(settled(a) for a in args)
+    kwargs = {k: settled(v) for k, v in kwargs.items()}
     _OUTPUTS.append(())
     try:
         out = _APPLY.__get__(None, twin)(*args, **kwargs)
@@ -88,10 +88,6 @@ def _on_shards(cls: type[Function], args: tuple, kwargs: dict) -> Any:
     if isinstance(out, tuple):
         return tuple(_rewrapped(o, layout) for o, layout in zip(out, layouts))
     return _rewrapped(out, layouts[0])
-
-
-def _settled(a: Any) -> Any:
-    return a.settled() if isinstance(a, SpatialTensor) else a
 
 
 def _rewrapped(out: Any, layout: Any) -> Any:

@@ -34,30 +34,6 @@ from ..run import current
 from ..tensor import SpatialTensor, _dynamo_compiling, _Plain, wrap
 from .queries import GLOBAL, LOCAL
 
-# ops that only rearrange the partial sums' elements: applied to the partial sums and the base, still pending
-_VIEWS = frozenset(
-    {
-        torch.Tensor.view,
-        torch.Tensor.reshape,
-        torch.reshape,
-        torch.Tensor.permute,
-        torch.permute,
-        torch.Tensor.transpose,
-        torch.transpose,
-        torch.Tensor.flatten,
-        torch.flatten,
-        torch.Tensor.unflatten,
-        torch.unflatten,
-        torch.Tensor.unsqueeze,
-        torch.unsqueeze,
-        torch.Tensor.squeeze,
-        torch.squeeze,
-        torch.Tensor.contiguous,
-        torch.Tensor.movedim,
-        torch.movedim,
-    }
-)
-_QUERIES = LOCAL | frozenset(GLOBAL)
 # views that keep the elements' order: lazy samples stay lazy through them (dims 0 and 1 kept)
 _IN_ORDER = frozenset(
     {
@@ -75,6 +51,16 @@ _IN_ORDER = frozenset(
         torch.Tensor.contiguous,
     }
 )
+# ops that only rearrange the partial sums' elements: applied to the partial sums and the base, still pending
+_VIEWS = _IN_ORDER | {
+    torch.Tensor.permute,
+    torch.permute,
+    torch.Tensor.transpose,
+    torch.transpose,
+    torch.Tensor.movedim,
+    torch.movedim,
+}
+_QUERIES = LOCAL | frozenset(GLOBAL)
 
 
 class PendingSum(SpatialTensor):
@@ -129,8 +115,8 @@ def pending(
     """``base + (the sum over axes of partial)``: pending under ``Run.bev_shard``, else reduced now (all-reduce).
     ``whole``: ``partial`` is already the sum, the same on every rank (``grid_sample`` of a gathered input), so it
     is cut to this rank's cells instead of reduced."""
-    axes = tuple(getattr(a, "axis", a) for a in axes)
-    if current().bev_shard is None or not axes or _dynamo_compiling():
+    axes = _axes_of(axes)
+    if not _defers(axes):
         total = partial if whole else across(partial, axes)
         return total if base is None else base + total
     with _Plain():
@@ -140,12 +126,24 @@ def pending(
     return out
 
 
+def _axes_of(axes: Sequence) -> tuple[Axis, ...]:
+    return tuple(getattr(a, "axis", a) for a in axes)  # shards' axes, or axes
+
+
+def _defers(axes: tuple[Axis, ...]) -> bool:
+    """Whether sums over ``axes`` are left pending: under ``Run.bev_shard``, eagerly (compiled code reduces now)."""
+    return current().bev_shard is not None and bool(axes) and not _dynamo_compiling()
+
+
 class _Samples:
     """Samples left to compute: ``sample(points)`` maps points laid out as the samples, ``(N, k, ...)`` with the
     ``k`` coordinates in dim 1, to the samples ``(N, C, ...)``; run in the grad mode they were asked in."""
 
-    def __init__(self, sample: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor) -> None:
-        self.sample, self.points, self.grad = sample, points, torch.is_grad_enabled()
+    def __init__(
+        self, sample: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor, grad: bool | None = None
+    ) -> None:
+        self.sample, self.points = sample, points
+        self.grad = torch.is_grad_enabled() if grad is None else grad
 
     def at(self, points: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(self.grad):
@@ -153,9 +151,7 @@ class _Samples:
 
     def laid_out(self, shape: Sequence[int]) -> _Samples:
         """The same samples with their points laid out as samples of ``shape`` (a view in order of them)."""
-        out = _Samples(self.sample, self.points.reshape(shape[0], self.points.shape[1], *shape[2:]))
-        out.grad = self.grad
-        return out
+        return _Samples(self.sample, self.points.reshape(shape[0], self.points.shape[1], *shape[2:]), self.grad)
 
 
 def pending_samples(
@@ -164,8 +160,8 @@ def pending_samples(
     """``sample(points)``, the same on every rank (module docstring; ``_Samples`` for the layout of ``points``):
     under ``Run.bev_shard`` a pending sum that samples only this rank's cells when its first reader cuts it, else
     computed now. ``like``: a tensor of the samples' dtype and device, whether they need gradients."""
-    axes = tuple(getattr(a, "axis", a) for a in axes)
-    if current().bev_shard is None or not axes or _dynamo_compiling():
+    axes = _axes_of(axes)
+    if not _defers(axes):
         return sample(points)
     shape = (points.shape[0], channels, *points.shape[2:])
     return _lazy(_Samples(sample, points), shape, like, like.requires_grad or points.requires_grad, axes)
@@ -218,12 +214,11 @@ def _reduce(p: PendingSum) -> torch.Tensor:
             )
     # one axis per plane dim; axes beyond them are all-reduced
     shards = [DimShard(d, a, partial.shape[d]) for d, a in zip(dims, p._axes)]
+    layout = Layout(tuple(shards)) if shards else None
     if p._samples is not None:
-        layout = Layout(tuple(shards)) if shards else None
         points = layout.take_local(p._samples.points) if layout else p._samples.points
         total = wrap(p._samples.at(points), layout)  # this rank's cells only
     elif p._whole:
-        layout = Layout(tuple(shards)) if shards else None
         total = wrap(layout.take_local(partial).contiguous(), layout) if layout else partial  # frees the rest
     else:
         total = reduced_into(partial, p._axes, shards)
