@@ -15,12 +15,13 @@ pending sum read twice is reduced once.
 Samples that every rank would compute whole (``grid_sample`` of a gathered input at replicated points: BEVFormer's
 first cross-attention, before its BEV queries are sharded) are not computed until the first reader cuts them
 (``pending_samples``): then each rank samples only the points of its own cells. Views that keep the samples' order
-and their first two dims (``view``, ``reshape``, ``unflatten``, ...) stay lazy; any other op computes every sample
-first, as before.
+and their channel dim whole (``view``, ``reshape``, ``unflatten``, ...: BEVFormer's points split from its cells,
+Simple-BEV's cameras split from the batch) stay lazy; any other op computes every sample first, as before.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,7 +35,7 @@ from ..run import current
 from ..tensor import SpatialTensor, _dynamo_compiling, _Plain, wrap
 from .queries import GLOBAL, LOCAL
 
-# views that keep the elements' order: lazy samples stay lazy through them (dims 0 and 1 kept)
+# views that keep the elements' order: lazy samples stay lazy through them (their channels kept whole)
 _IN_ORDER = frozenset(
     {
         torch.Tensor.view,
@@ -137,21 +138,35 @@ def _defers(axes: tuple[Axis, ...]) -> bool:
 
 class _Samples:
     """Samples left to compute: ``sample(points)`` maps points laid out as the samples, ``(N, k, ...)`` with the
-    ``k`` coordinates in dim 1, to the samples ``(N, C, ...)``; run in the grad mode they were asked in."""
+    ``k`` coordinates in dim 1, to the samples ``(N, C, ...)``; run in the grad mode they were asked in. Viewed in
+    order, the points keep the samples' layout with ``k`` in the channels' place, dim ``dim``."""
 
     def __init__(
-        self, sample: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor, grad: bool | None = None
+        self,
+        sample: Callable[[torch.Tensor], torch.Tensor],
+        points: torch.Tensor,
+        grad: bool | None = None,
+        dim: int = 1,
     ) -> None:
-        self.sample, self.points = sample, points
+        self.sample, self.points, self.dim = sample, points, dim
         self.grad = torch.is_grad_enabled() if grad is None else grad
 
     def at(self, points: torch.Tensor) -> torch.Tensor:
+        """The samples at ``points`` (a block of ``self.points``' layout), laid out as those points."""
+        lead, rest = points.shape[: self.dim], points.shape[self.dim + 1 :]
         with torch.set_grad_enabled(self.grad):
-            return self.sample(points)
+            out = self.sample(points.reshape(-1, *points.shape[self.dim :]))
+        return out.reshape(*lead, out.shape[1], *rest)
 
-    def laid_out(self, shape: Sequence[int]) -> _Samples:
-        """The same samples with their points laid out as samples of ``shape`` (a view in order of them)."""
-        return _Samples(self.sample, self.points.reshape(shape[0], self.points.shape[1], *shape[2:]), self.grad)
+    def laid_out(self, samples: Sequence[int], shape: Sequence[int]) -> _Samples | None:
+        """The same samples, now of ``samples``' shape, viewed in order as ``shape``; None where the view splits or
+        merges their channels (or leaves them among the BEV plane's last two dims)."""
+        channels, lead = samples[self.dim], math.prod(samples[: self.dim])
+        dim = next((j for j in range(len(shape) - 2) if math.prod(shape[:j]) == lead and shape[j] == channels), None)
+        if dim is None:
+            return None
+        k = self.points.shape[self.dim]
+        return _Samples(self.sample, self.points.reshape(*shape[:dim], k, *shape[dim + 1 :]), self.grad, dim)
 
 
 def pending_samples(
@@ -177,7 +192,7 @@ def _lazy(samples: _Samples, shape: Sequence[int], like, requires_grad: bool, ax
 
 
 def _viewed_samples(func, first: PendingSum, args: tuple, kwargs: dict) -> torch.Tensor:
-    """A view of samples not computed yet: still lazy if it keeps their order and first two dims, else every
+    """A view of samples not computed yet: still lazy if it keeps their order and their channels whole, else every
     sample computed, then viewed (an ordinary whole pending sum)."""
     with _Plain():
         placeholder = first.as_subclass(torch.Tensor)
@@ -185,8 +200,9 @@ def _viewed_samples(func, first: PendingSum, args: tuple, kwargs: dict) -> torch
             shape = func(placeholder, *args, **kwargs).shape if func in _IN_ORDER else None
         except RuntimeError:
             shape = None
-    if shape is not None and tuple(shape[:2]) == tuple(placeholder.shape[:2]):
-        return _lazy(first._samples.laid_out(shape), shape, placeholder, placeholder.requires_grad, first._axes)
+    viewed = None if shape is None else first._samples.laid_out(placeholder.shape, shape)
+    if viewed is not None:
+        return _lazy(viewed, shape, placeholder, placeholder.requires_grad, first._axes)
     whole = first._samples.at(first._samples.points)
     with _Plain():
         return pending(func(whole, *args, **kwargs), first._axes, None, True)

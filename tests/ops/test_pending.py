@@ -20,7 +20,15 @@ from tests.oracle import check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
 B, C, X, Y = 2, 3, 7, 5  # odd cell counts: uneven shards of the grid too
-SPLATS = ("index_add", "scatter_add", "index_put", "grid_sample", "grid_sample_points", "grid_sample_transposed")
+SPLATS = (
+    "index_add",
+    "scatter_add",
+    "index_put",
+    "grid_sample",
+    "grid_sample_points",
+    "grid_sample_cameras",
+    "grid_sample_transposed",
+)
 MODES = {"w2": "x", "w3": "y", "h2": "xy", "2x2": "xy"}  # 2x2 with "xy": 2-D tiles over the two axes
 
 
@@ -31,6 +39,8 @@ def _splat(kind: str, feats: torch.Tensor, cells: torch.Tensor, grid: torch.Tens
         return F.grid_sample(feats, grid, align_corners=False)
     if kind == "grid_sample_points":  # BEVFormer: 4 points per cell stacked as rows, more samples than the image
         return F.grid_sample(feats, grid, align_corners=False).unflatten(2, (4, X)).mean(2)
+    if kind == "grid_sample_cameras":  # Simple-BEV: cameras split from the batch, Z heights from the rows
+        return F.grid_sample(feats, grid, align_corners=False).view(1, B, C, 4, X, Y).sum(1).mean(2)
     if kind == "grid_sample_transposed":  # the same points as columns, transposed first: every sample computed
         return (
             F.grid_sample(feats, grid.transpose(1, 2), align_corners=False).transpose(2, 3).unflatten(2, (4, X)).mean(2)
@@ -183,29 +193,34 @@ def test_an_inplace_write_into_pending_sums_raises():
     run_spmd(_inplace_case, 2)
 
 
-def _lazy_case(layout: str):
+VIEWS = {  # samples (B, C, 4 * X, Y) viewed in order, and how to reduce them to a (., C, X, Y) grid
+    "points": (lambda s: s.unflatten(2, (4, X)), lambda s: s.mean(2)),  # BEVFormer's points of each cell
+    "cameras": (lambda s: s.view(1, B, C, 4, X, Y), lambda s: s.sum(1).mean(2)),  # Simple-BEV's cameras, heights
+}
+
+
+def _lazy_case(layout: str, view: str):
     """The samples of a gathered image at replicated points stay uncomputed through views in order, and the first
     reader samples only this rank's cells, in the grad mode the samples were asked in."""
     torch.manual_seed(0)
     feats = shard(torch.randn(B, C, 6, 12), axes(layout)).requires_grad_()
     grid = torch.rand(B, 4 * X, Y, 2) * 2.4 - 1.2
+    viewed, reduced = VIEWS[view]
     asked = []
-    at = pending_module._Samples.at
     with entered(Run(fallback="error", bev_shard=MODES[layout])):
         samples = F.grid_sample(feats, grid, align_corners=False)
         with torch.no_grad():
-            stacked = samples.unflatten(2, (4, X))
+            stacked = viewed(samples)
         assert samples._samples is not None and stacked._samples is not None  # nothing sampled yet
-        pending_module._Samples.at = lambda self, points: asked.append(tuple(points.shape)) or at(self, points)
-        try:
-            out = stacked.mean(2).to_local()
-        finally:
-            pending_module._Samples.at = at
+        inner = stacked._samples.sample
+        stacked._samples.sample = lambda points: asked.append(tuple(points.shape)) or inner(points)
+        out = reduced(stacked).to_local()
     assert asked == [(B, 2, 4, *out.shape[-2:])], (asked, out.shape)  # this rank's cells' points only
     assert out.requires_grad
     assert out.shape[-2:] != (X, Y)
 
 
+@pytest.mark.parametrize("view", list(VIEWS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_samples_are_computed_at_this_ranks_cells_only(layout):
-    run_spmd(_lazy_case, LAYOUTS[layout][0], layout)
+def test_samples_are_computed_at_this_ranks_cells_only(layout, view):
+    run_spmd(_lazy_case, LAYOUTS[layout][0], layout, view)
