@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from .layout import partition
 from .mesh import Axis, group_of
+from .run import current
 
 
 def communicates(op: str) -> None:
@@ -147,9 +148,16 @@ def _padded(x: torch.Tensor, dim: int, longest: int) -> torch.Tensor:
     return x.contiguous(memory_format=_memory_format(x))  # the full tensor keeps x's memory format
 
 
+def _receiving(like: torch.Tensor) -> torch.Tensor:
+    """A buffer for what a collective receives. Fake groups (``Run.zero_undelivered``: ``FakeRank``, the planner's
+    probe) deliver nothing: there it reads as zeros, not as uninitialised memory, where a NaN would spread into
+    every gradient (and stop a detector's Hungarian matching)."""
+    return torch.zeros_like(like) if current().zero_undelivered else torch.empty_like(like)
+
+
 def _gathered(x: torch.Tensor, dim: int, group, bounds) -> torch.Tensor:
     padded = _padded(x, dim, bounds[0][1] - bounds[0][0])
-    pieces = [torch.empty_like(padded) for _ in bounds]
+    pieces = [_receiving(padded) for _ in bounds]
     dist.all_gather(pieces, padded, group=group)
     return torch.cat([p.narrow(dim, 0, b - a) for p, (a, b) in zip(pieces, bounds)], dim)
 
@@ -210,7 +218,7 @@ def _scattered(x: torch.Tensor, dim: int, group, bounds) -> torch.Tensor:
     only its rows' sums; uneven parts as the partition rule gives them)."""
     me = dist.get_rank(group)
     parts = [x.narrow(dim, a, b - a).contiguous() for a, b in bounds]
-    out = torch.empty_like(parts[me])
+    out = _receiving(parts[me])
     dist.reduce_scatter(out, parts, group=group)
     return out
 

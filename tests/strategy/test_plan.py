@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_spatial import SpatialParallelStrategy, SpatialTensor, halo
+from lightning_spatial import SpatialParallelStrategy, SpatialTensor, collectives, halo
+from lightning_spatial.mesh import Axis
 from lightning_spatial.plan import Estimate, choose, layouts, parse_budget
 from lightning_spatial.primitives import SpatialDims
 from lightning_spatial.run import Run, entered
@@ -280,6 +281,31 @@ def _halos_read_as_zeros():
 def test_halos_the_fake_groups_never_deliver_read_as_zeros():
     """A NaN in a halo would stop a detector's Hungarian matching in the probe."""
     run_spmd(_halos_read_as_zeros, 2)
+
+
+def _collectives_read_as_zeros():
+    fake = Axis.from_group(torch.distributed.new_group([0, 1], backend="fake"))
+    if torch.distributed.get_rank() != 0:
+        return
+    uninitialised = torch.empty_like
+    torch.empty_like = lambda t, **kw: uninitialised(t, **kw).fill_(float("nan"))  # memory as a GPU may hand it out
+    try:
+        with entered(Run(zero_undelivered=True)):
+            received = collectives._receiving(torch.ones(3))
+            summed = collectives.reduce_scatter(torch.ones(4, 2), 0, fake)  # torch 2.11's fake group writes nothing
+            gathered = collectives.all_gather(torch.ones(2, 2), 0, fake, 4)
+        with entered(Run(zero_undelivered=False)):
+            assert collectives._receiving(torch.ones(3)).isnan().all()  # a real group's buffer: written by it
+    finally:
+        torch.empty_like = uninitialised
+    assert torch.equal(received, torch.zeros(3))
+    assert not summed.isnan().any() and not gathered.isnan().any(), (summed, gathered)
+
+
+def test_what_the_fake_collectives_never_deliver_reads_as_zeros():
+    """A reduce-scatter's buffer (a sharded BEV grid's sums) that a fake group leaves unwritten would put NaN into
+    every gradient of a ``FakeRank`` run: it reads as zeros."""
+    run_spmd(_collectives_read_as_zeros, 2)
 
 
 class CheckBatches(L.Callback):
