@@ -73,18 +73,28 @@ def choose(root: nn.Module, seen: dict[nn.Module, Seen]) -> tuple[list[str], dic
     for name, module in root.named_children():
         if name in chosen or any(c.startswith(name + ".") for c in chosen):
             continue
-        left[name] = _why_not(seen.get(module), any(p.requires_grad for p in module.parameters()))
+        left[name] = _why_not(module, seen)
     return chosen, left
 
 
-def _why_not(seen: Seen | None, trainable: bool) -> str:
-    if seen is None or not seen.calls:
-        return "not run in a training step"
-    if not trainable:
+def _why_not(module: nn.Module, seen: dict[nn.Module, Seen]) -> str:
+    s = seen.get(module)
+    if s is None or not s.calls:
+        ran = [c for c in module.children() if any(_ran(m, seen) for m in c.modules())]
+        if not ran:
+            return "not run in a training step"
+        why = dict.fromkeys(_why_not(c, seen) for c in ran)  # a ModuleList's layers, called by its owner
+        return "a container whose modules run one by one: " + "; ".join(why)
+    if not any(p.requires_grad for p in module.parameters()):
         return "no trainable weights"
-    if not seen.sharded:
+    if not s.sharded:
         return "its inputs are tokens or replicated values, not image-sharded activations"
-    return f"run {seen.calls} times a step (a capture replays one call)"
+    return f"run {s.calls} times a step (a capture replays one call)"
+
+
+def _ran(module: nn.Module, seen: dict[nn.Module, Seen]) -> bool:
+    s = seen.get(module)
+    return s is not None and s.calls > 0
 
 
 def describe(chosen: list[str], left: dict[str, str]) -> str:

@@ -14,19 +14,24 @@ from tests.spmd import axes, run_spmd
 
 
 class Camera(nn.Module):
-    """The shape of a camera detector: an image encoder, a layer run twice, a head over tokens, an unused branch."""
+    """The shape of a camera detector: an image encoder, a layer run twice, layers over tokens called one by one from
+    a ``ModuleList``, a head over tokens, an unused branch."""
 
     def __init__(self):
         super().__init__()
         self.encoder = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
         self.twice = nn.Conv2d(4, 4, 1)
         self.gate = nn.Sigmoid()  # sharded input, no weights
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
         self.head = nn.Linear(4, 2)
         self.unused = nn.Linear(2, 2)
 
     def forward(self, images):
         features = self.gate(self.twice(self.twice(self.encoder(images))))
-        return self.head(features.flatten(2).transpose(1, 2))  # tokens
+        tokens = features.flatten(2).transpose(1, 2)
+        for layer in self.layers:
+            tokens = layer(tokens)
+        return self.head(tokens)
 
 
 def _choice_case(layout):
@@ -38,6 +43,8 @@ def _choice_case(layout):
     assert left == {
         "twice": "run 2 times a step (a capture replays one call)",
         "gate": "no trainable weights",
+        "layers": "a container whose modules run one by one: its inputs are tokens or replicated values, not "
+        "image-sharded activations",
         "head": "its inputs are tokens or replicated values, not image-sharded activations",
         "unused": "not run in a training step",
     }, left
