@@ -2,10 +2,11 @@
 
 On CUDA, the strategy runs the first training step eagerly while ``Watch`` notes, for every submodule of the
 LightningModule, how often it ran and whether its inputs held an activation sharded along image height or width (a
-``SpatialTensor`` with a spatial shard, not tokens). ``choose`` then takes the largest such submodules that hold
-trainable weights and ran once in the step: the image encoders of camera models (backbone and neck), where the
-sharded work is. Heads over tokens or replicated values, matching and losses stay eager, as does a module run twice
-a step (a capture replays one call: its outputs live in the graph's memory, which a second call would overwrite).
+``SpatialTensor`` with a spatial shard, not tokens), or a BEV grid that ends sharded (``bev_shard``). ``choose``
+then takes the largest such submodules that hold trainable weights and ran once in the step: the image encoders of
+camera models (backbone and neck), where the sharded work is, and with ``bev_shard`` their BEV encoders. Heads
+over tokens or replicated values, matching and losses stay eager, as does a module run twice a step (a capture
+replays one call: its outputs live in the graph's memory, which a second call would overwrite).
 Each chosen module is wrapped in ``CUDAGraphed``, which captures it after its own warm-up calls and runs eagerly
 whatever it cannot capture; the run logs once what was captured and why the rest was not.
 """
@@ -18,7 +19,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from .tensor import SpatialTensor
+from .ops.pending import PendingSum, plane_dims
+from .tensor import SpatialTensor, _Plain
 
 
 @dataclass
@@ -30,7 +32,11 @@ class Seen:
 
 
 def image_sharded(value: object) -> bool:
-    """A ``SpatialTensor`` sharded along a spatial dim (not a token dim merged from one)."""
+    """A ``SpatialTensor`` sharded along a spatial dim (not a token dim merged from one), or a splat's sums that its
+    first reader reduce-scatters over a BEV plane (``bev_shard``: a BEV encoder's input)."""
+    if isinstance(value, PendingSum):
+        with _Plain():
+            return bool(plane_dims(value))
     return isinstance(value, SpatialTensor) and any(not s.merged for s in value.shard_layout.shards)
 
 

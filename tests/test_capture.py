@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import lightning_spatial
 from lightning_spatial import SpatialParallelStrategy
 from lightning_spatial.capture import Watch, choose, describe
+from lightning_spatial.run import Run, entered
 from tests.spmd import axes, run_spmd
 
 
@@ -56,6 +58,37 @@ def _choice_case(layout):
 @pytest.mark.parametrize("layout", ["w2", "2x2"])
 def test_the_watched_step_picks_the_largest_modules_run_once_on_image_shards(layout):
     run_spmd(_choice_case, 2 if layout == "w2" else 4, layout)
+
+
+class Splat(nn.Module):
+    """A camera-to-BEV model: an image encoder, a ``grid_sample`` of its features into a BEV grid, a BEV encoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Conv2d(3, 4, 3, padding=1)
+        self.bev_encoder = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+
+    def forward(self, images):
+        grid = torch.rand(images.shape[0], 6, 5, 2, generator=torch.Generator().manual_seed(0)) * 2 - 1
+        return self.bev_encoder(F.grid_sample(self.encoder(images), grid, align_corners=False))
+
+
+def _bev_choice_case(layout, bev_shard):
+    model = Splat()
+    with entered(Run(bev_shard=bev_shard)), Watch(model) as watch:
+        model(lightning_spatial.shard(torch.randn(2, 3, 8, 12), axes(layout))).sum().backward()
+    chosen, left = choose(model, watch.seen)
+    if bev_shard is None:  # the grid is summed over the ranks and replicated: nothing sharded to replay
+        assert chosen == ["encoder"], chosen
+        assert left == {"bev_encoder": "its inputs are tokens or replicated values, not image-sharded activations"}
+    else:  # its input is the splat's sums, which its first op reduce-scatters over the BEV plane
+        assert chosen == ["encoder", "bev_encoder"], (chosen, left)
+
+
+@pytest.mark.parametrize("bev_shard", [None, "x"])
+@pytest.mark.parametrize("layout", ["w2", "2x2"])
+def test_with_bev_shard_the_bev_encoder_is_chosen_too(layout, bev_shard):
+    run_spmd(_bev_choice_case, 2 if layout == "w2" else 4, layout, bev_shard)
 
 
 def test_unsharded_runs_choose_nothing():

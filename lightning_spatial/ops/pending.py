@@ -216,11 +216,17 @@ def resolve(p: PendingSum) -> torch.Tensor:
     return p._reduced
 
 
+def plane_dims(p: torch.Tensor) -> tuple[int, ...]:
+    """The dims a pending sum is reduce-scattered along (``Run.bev_shard``): its last two if it is a BEV plane (at
+    least 4 dims), none if it is smaller (then it is all-reduced, replicated)."""
+    return {"x": (-2,), "y": (-1,), "xy": (-2, -1)}.get(current().bev_shard, ()) if p.dim() >= 4 else ()
+
+
 def _reduce(p: PendingSum) -> torch.Tensor:
     with _Plain():
         partial = p.as_subclass(torch.Tensor)
     mode = current().bev_shard
-    dims = {"x": (-2,), "y": (-1,), "xy": (-2, -1)}.get(mode, ()) if partial.dim() >= 4 else ()
+    dims = plane_dims(partial)
     for dim, axis in zip(dims, p._axes):
         if partial.shape[dim] < axis.size:
             raise LayoutError(
@@ -259,4 +265,4 @@ def reduced_into(partial: torch.Tensor, axes: Sequence[Axis], shards: Sequence[D
     return wrap(total, layout)
 
 
-__all__ = ["PendingSum", "pending", "pending_samples", "reduced_into", "resolve"]
+__all__ = ["PendingSum", "pending", "pending_samples", "plane_dims", "reduced_into", "resolve"]
