@@ -225,6 +225,16 @@ class CUDAGraphed(nn.Module):
         self._register_state_dict_hook(_without_wrapper)
         self.register_load_state_dict_pre_hook(_with_wrapper)
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped module's other methods and attributes (a detection head's ``loss``, called by its owner): only
+        ``forward`` replays."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
     @torch.compiler.disable  # opaque to a compiled caller (dynamo must not trace a capture); a compiled module
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # inside still runs compiled
         flat, spec = tree_flatten((args, kwargs))

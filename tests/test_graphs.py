@@ -187,6 +187,25 @@ def test_off_cuda_and_without_autograd_it_runs_eagerly():
     assert not graphed._graphs
 
 
+class Head(torch.nn.Linear):
+    """A head whose owner also calls its ``loss`` (CenterPoint's), and reads its attributes."""
+
+    kind = "centerpoint"
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).square().mean()
+
+
+def test_the_wrapped_modules_other_methods_and_attributes_stay_reachable():
+    """``cuda_graphs="auto"`` may wrap a head its owner calls ``loss`` on: the wrapper passes them through."""
+    graphed = CUDAGraphed(Head(3, 2), warmup=1)
+    x, target = torch.randn(4, 3), torch.randn(4, 2)
+    assert graphed.kind == "centerpoint" and graphed.out_features == 2
+    torch.testing.assert_close(graphed.loss(graphed(x), target), graphed.module.loss(graphed.module(x), target))
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        graphed.no_such_thing
+
+
 def test_warmup_must_leave_an_eager_call_before_the_capture():
     with pytest.raises(ValueError, match="warmup=0"):
         CUDAGraphed(torch.nn.Linear(2, 2), warmup=0)

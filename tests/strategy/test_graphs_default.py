@@ -160,6 +160,24 @@ def test_the_default_replays_the_image_encoder_and_trains_to_the_eager_weights(n
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(SAMPLING))
+def test_the_default_replays_the_sharded_bev_side_too(name, layout):
+    """With ``bev_shard`` the modules after the splat run on a sharded BEV: the default replays them too (Simple-BEV's
+    BEV encoder; BEVFormer's encoder layers after the first, whose queries are sharded, and its decoder layers), and
+    the run trains to the eager weights."""
+    build, data = MODELS[name]
+    bev_shard = "x" if layout == "w2" else "xy"
+    eager, _ = _fit(build(), data(), layout, False, STEPS, bev_shard=bev_shard, precision="64-true")
+    seen = Captures()
+    model, _ = _fit(build(), data(), layout, None, STEPS, callbacks=[seen], bev_shard=bev_shard, precision="64-true")
+    bev_side = {"bev_encoder"} if name == "simple_bev" else {"bev_layers.1"}
+    assert {"encoder", *bev_side} <= seen.replaying, seen.replaying
+    a, b = _weights(eager), _weights(model)
+    for key in a:
+        assert_rel_close(b[key], a[key], key, rtol=RTOL)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_graphed_run_saved_and_resumed_equals_the_uninterrupted_one(layout, tmp_path):
     """Stopped at step 5 of 3-step epochs, after its graphs replayed, with last.ckpt written there
     (``LatestCheckpoint``), and resumed to step 10 from it (the loader resumes inside the epoch): the resumed run
