@@ -78,10 +78,13 @@ def test_benchmark_under_torchrun(tmp_path):
     assert row["spatial"] == 2 and row["halo_mib_per_step"] > 0 and row["ours_ms"] > 0 and row["shard_ms"] > 0
 
 
-def test_petr_benchmark_smoke_on_cpu(tmp_path):
-    """The surround-camera detector task of the benchmark: one device, then one rank of 2 (fake group)."""
+@pytest.mark.parametrize("baseline", ["1", "once"])
+def test_petr_benchmark_smoke_on_cpu(tmp_path, baseline):
+    """The surround-camera detector task of the benchmark: one device, then one rank of 2 (fake group); with
+    ``--baseline once`` the whole input's step is timed at the first spatial size only and reused by the next."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "spatial_step.py"), "--device", "cpu", "--model", "petr_tiny"]
     cmd += ["--cameras", "2", "--batch", "1", "--height", "64", "--widths", "176", "--spatial", "1,2"]
+    cmd += ["--baseline", baseline]
     done = subprocess.run(
         [*cmd, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)], capture_output=True, text=True
     )
@@ -89,6 +92,11 @@ def test_petr_benchmark_smoke_on_cpu(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert [(r["spatial"], r["baseline"]) for r in rows] == [(1, "one device"), (2, "one device")]
     assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows) and rows[1]["halo_mib_per_step"] > 0
+    timings = [(r["shard_ms"], r["shard_ms_after"]) for r in rows]
+    if baseline == "once":
+        assert [r["baseline_timed_at_spatial"] for r in rows] == [1, 1] and timings[0] == timings[1]
+    else:
+        assert "baseline_timed_at_spatial" not in rows[1] and timings[0] != timings[1]
 
 
 @pytest.mark.parametrize(

@@ -26,12 +26,13 @@ case "${1:-memory}" in
     done ;;
   bevformer)
     B="python3 benchmarks/spatial_step.py --model bevformer --cameras 6 --batch 1 --out $OUT --steps 3 --warmup 2"
-    $B --height 900 --widths 1600 --spatial 1,2,4,8 --precisions fp32,bf16 --bev-shard x ;;
+    $B --height 900 --widths 1600 --spatial 1,2,4,8 --precisions fp32,bf16 --bev-shard x --baseline once ;;
   bevplane)
     for model in lift_splat simple_bev; do
       for bev in x none; do
         python3 benchmarks/spatial_step.py --model $model --cameras 6 --batch 1 --height 512 --widths 1408 \
-          --bev-size 200,200 --spatial 2,4,8 --precisions fp32,bf16 --bev-shard $bev --out "$OUT" --steps 3 --warmup 2
+          --bev-size 200,200 --spatial 2,4,8 --precisions fp32,bf16 --bev-shard $bev --out "$OUT" --steps 3 --warmup 2 \
+          --baseline once  # one device's step timed once per precision: the whole input does not depend on S
       done
     done ;;
   train)
