@@ -33,6 +33,7 @@ import statistics
 import time
 
 import lightning as L
+import tasks
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -43,7 +44,11 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategy", default="single", help="single | ddp | horovod | spatial_tp")
     p.add_argument("--spatial", type=int, default=0, help="spatial_tp group size (default: all processes)")
-    p.add_argument("--model", default="convnext_large", help="a timm classifier, or petr / petr_tiny")
+    p.add_argument(
+        "--model",
+        default="convnext_large",
+        help="a timm classifier, or a BEV detector: petr, lift_splat, simple_bev, bevformer (paper-sized), *_tiny",
+    )
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--cameras", type=int, default=6)
     p.add_argument("--height", type=int, default=512)
@@ -54,6 +59,9 @@ def parse() -> argparse.Namespace:
         default="auto",
         help="spatial_tp: auto (the default), off, or the submodules replayed as CUDA graphs, comma list (backbone)",
     )
+    p.add_argument("--bev-shard", default="none", choices=["none", "x", "y", "xy"], help="spatial_tp: bev_shard")
+    p.add_argument("--bev-size", default=None, help="a BEV detector's grid, X,Y (default: the model's)")
+    p.add_argument("--bev-encoder", default=None, help="Lift-Splat / Simple-BEV: resnet18 (default), convs, ...")
     p.add_argument("--fake-world", type=int, default=0, help="one GPU plays one rank of a run of this many ranks")
     p.add_argument("--fake-rank", type=int, default=None, help="the rank it plays (default: 1, an interior one)")
     p.add_argument("--baseline", choices=("none", "shard", "device"), default="none", help="the plain model alone")
@@ -95,21 +103,23 @@ class Fixed(Dataset):
 
 def model_and_data(args, length: int):
     g = torch.Generator().manual_seed(0)
-    if args.model.startswith("petr"):
+    if args.model.removesuffix("_tiny") in tasks.DETECTORS:
         from lightning_spatial.data import collate_surround
         from lightning_spatial.data.geometry import projection
         from lightning_spatial.data.surround import CAMERAS, camera_rig
-        from lightning_spatial.models.bev import PETR
 
         intrinsics, cam2ego = camera_rig(CAMERAS[: args.cameras], (args.height, args.width))
         centres = torch.rand(10, 2, generator=g) * 80 - 40
         sample = {
             "images": torch.randint(0, 256, (args.cameras, 3, args.height, args.width), dtype=torch.uint8, generator=g),
             "lidar2img": projection(intrinsics, cam2ego),
+            "intrinsics": intrinsics,
+            "cam2ego": cam2ego,
             "boxes": torch.cat([centres, torch.tensor([[0.9, 1.9, 4.6, 1.7, 0.3, 2.0, 0.0]]).expand(10, -1)], 1),
             "labels": torch.zeros(10, dtype=torch.long),
         }
-        model = PETR.tiny() if args.model == "petr_tiny" else PETR()
+        detector = tasks.DetectorTask(args)
+        model = detector.make(**detector.options)
         return model, DataLoader(Fixed(sample, length), args.batch, collate_fn=collate_surround, num_workers=2)
     from lightning_spatial.models import ImageTask
 
@@ -155,7 +165,8 @@ def strategy(args):
 
     if args.strategy == "spatial_tp":
         graphs = {"auto": "auto", "off": False}.get(args.cuda_graphs) or args.cuda_graphs.split(",")
-        return SpatialParallelStrategy(args.spatial or args.fake_world or None, cuda_graphs=graphs)
+        bev_shard = None if args.bev_shard == "none" else args.bev_shard
+        return SpatialParallelStrategy(args.spatial or args.fake_world or None, cuda_graphs=graphs, bev_shard=bev_shard)
     if args.strategy == "horovod":
         fusion = None if args.fusion_mb is None else int(args.fusion_mb * 2**20)
         return HorovodStrategy(

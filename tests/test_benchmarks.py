@@ -151,6 +151,26 @@ def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
     assert row["time_vs_baseline"] == round(row["step_ms"] / row["baseline_run"]["step_ms"], 3)
 
 
+@pytest.mark.parametrize("model", ["petr_tiny", "lift_splat_tiny", "simple_bev_tiny", "bevformer_tiny"])
+def test_trainer_benchmark_trains_the_bev_detectors_with_the_bev_sharded(tmp_path, model):
+    """The BEV detectors through the Trainer (the surround collate hook, ``--bev-shard x``): one rank of 2 beside the
+    whole input on one device (``--baseline device``); no timing is asserted."""
+    args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", model, "--cameras", "2", "--batch", "1"]
+    args += ["--height", "64", "--width", "176", "--fake-world", "2", "--bev-shard", "x", "--baseline", "device"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "trainer_step.py"), *args, "--steps", "2", "--warmup", "1"]
+        + ["--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
+    assert row["world"] == 2 and row["bev_shard"] == "x" and row["baseline_run"]["world"] == 1
+    assert row["step_ms"] > 0 and row["baseline_run"]["step_ms"] > 0
+
+
 @pytest.mark.parametrize(
     "strategy, compiled", [("spatial_tp", ""), ("spatial_tp", "module"), ("spatial_tp", "backbone"), ("ddp", "")]
 )
