@@ -4,6 +4,10 @@
 #   bash tools/bev_h200.sh bevformer  # BEVFormer-base-like at 900x1600, 200x200 BEV, S = 1..8 (one GPU, fake group)
 #   bash tools/bev_h200.sh bevplane   # Lift-Splat and Simple-BEV (ResNet BEV encoder) at 6x512x1408, 200x200 BEV,
 #                                       # S = 2, 4, 8, BEV replicated and sharded (one GPU, fake group)
+#   bash tools/bev_h200.sh trainer    # BEVFormer, Lift-Splat, Simple-BEV through the Trainer as users run them (default
+#                                       # CUDA graphs, bev_shard="x"), one rank of S = ${S:-4} (fake group) beside one
+#                                       # device, ${PRECISION:-32-true}
+#   bash tools/bev_h200.sh gputests   # the GPU tests, each file in a pytest run of its own (README)
 #   bash tools/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on ${GPUS:-2} GPUs (S = GPUS) for
 #                                       # ${MINUTES:-6} minutes;
 #                                       # called again on the warm machine it resumes (MINUTES=15, 24, ...: the total);
@@ -34,6 +38,16 @@ case "${1:-memory}" in
           --bev-size 200,200 --spatial 2,4,8 --precisions fp32,bf16 --bev-shard $bev --out "$OUT" --steps 3 --warmup 2 \
           --baseline once  # one device's step timed once per precision: the whole input does not depend on S
       done
+    done ;;
+  trainer)
+    for model in "bevformer --height 900 --width 1600" "lift_splat --height 512 --width 1408 --bev-size 200,200" \
+                 "simple_bev --height 512 --width 1408 --bev-size 200,200"; do
+      python3 benchmarks/trainer_step.py --strategy spatial_tp --fake-world "${S:-4}" --baseline device --batch 1 \
+        --cameras 6 --bev-shard x --precision "${PRECISION:-32-true}" --warmup 6 --steps 8 --out "$OUT" --model $model
+    done ;;
+  gputests)
+    for f in tests/strategy/test_graphs_default.py tests/test_graphs.py; do
+      python3 -m pytest -q -p no:cacheprovider -rs "$f" 2>&1 | tail -25
     done ;;
   train)
     # a warm machine keeps the run: the next call resumes from its last checkpoint (the time limit counts all calls)
