@@ -202,7 +202,9 @@ def free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_config(args, device, width: int, s: int, layout: str, precision: str, ckpt: bool, real: bool, timed) -> dict:
+def run_config(
+    args, device, width: int, s: int, layout: str, precision: str, ckpt: bool, real: bool, timed: dict | None = None
+) -> dict:
     """One configuration's row, in a run of the op layer of its own: one rank of a fake group receives zeros where
     halos would arrive (uninitialised memory could hold NaNs, which a detector's Hungarian matching refuses), and
     ``--bev-shard`` says where a BEV detector's grid ends."""
@@ -212,8 +214,8 @@ def run_config(args, device, width: int, s: int, layout: str, precision: str, ck
 
 
 def _run_config(args, device, width: int, s: int, layout: str, precision: str, ckpt: bool, real: bool, timed) -> dict:
-    """``timed``: the whole-input baselines measured so far, by precision, width and checkpointing
-    (``--baseline once``)."""
+    """``timed``: the whole-input baselines measured so far, by precision, width and checkpointing (``--baseline
+    once``; None: each row times its own)."""
     task = tasks.task(args)
     sh, sw = tiles(layout, s)
     rank = dist.get_rank() if real else min(1, s - 1)  # fake: an interior rank (halos on both sides)
@@ -262,7 +264,8 @@ def _run_config(args, device, width: int, s: int, layout: str, precision: str, c
         free(device)
         return result
 
-    key = (precision, width, ckpt) if args.baseline == "once" and task.baseline == "one device" else None
+    once = args.baseline == "once" and task.baseline == "one device" and timed is not None
+    key = (precision, width, ckpt) if once else None
     reused = timed.get(key) if key else None  # the whole input's step does not depend on S
     if reused:
         row.update(reused)
