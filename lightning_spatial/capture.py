@@ -85,8 +85,8 @@ def choose(root: nn.Module, seen: dict[nn.Module, Seen]) -> tuple[list[str], dic
 
 def _why_not(module: nn.Module, seen: dict[nn.Module, Seen]) -> str:
     s = seen.get(module)
-    if s is None or not s.calls:
-        ran = [c for c in module.children() if any(_ran(m, seen) for m in c.modules())]
+    if s is None:
+        ran = [c for c in module.children() if any(m in seen for m in c.modules())]  # seen: called at least once
         if not ran:
             return "not run in a training step"
         why = dict.fromkeys(_why_not(c, seen) for c in ran)  # a ModuleList's layers, called by its owner
@@ -96,11 +96,6 @@ def _why_not(module: nn.Module, seen: dict[nn.Module, Seen]) -> str:
     if not s.sharded:
         return "its inputs are tokens or replicated values, not image-sharded activations"
     return f"run {s.calls} times a step (a capture replays one call)"
-
-
-def _ran(module: nn.Module, seen: dict[nn.Module, Seen]) -> bool:
-    s = seen.get(module)
-    return s is not None and s.calls > 0
 
 
 def describe(chosen: list[str], left: dict[str, str]) -> str:

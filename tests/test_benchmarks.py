@@ -133,11 +133,8 @@ def test_bev_plane_benchmark_smoke_on_cpu(tmp_path, model, encoder):
     assert all(r["ours_ms"] > 0 and r["shard_ms"] > 0 for r in rows)
 
 
-def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
-    """``--fake-world``: one process plays rank 1 of a 3-rank width split through the Trainer (the fake backend), and
-    ``--baseline shard`` runs the plain model alone on that rank's 32 of 96 columns first; no timing is asserted."""
-    args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", "convnext_atto", "--height", "32"]
-    args += ["--width", "96", "--fake-world", "3", "--baseline", "shard", "--steps", "2", "--warmup", "1"]
+def _trainer_step_row(tmp_path, args: list[str]) -> dict:
+    """benchmarks/trainer_step.py run in one process with ``args``: the one row it writes."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "trainer_step.py"), *args, "--out", str(tmp_path)],
         capture_output=True,
@@ -147,6 +144,15 @@ def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
+    return row
+
+
+def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
+    """``--fake-world``: one process plays rank 1 of a 3-rank width split through the Trainer (the fake backend), and
+    ``--baseline shard`` runs the plain model alone on that rank's 32 of 96 columns first; no timing is asserted."""
+    args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", "convnext_atto", "--height", "32"]
+    args += ["--width", "96", "--fake-world", "3", "--baseline", "shard", "--steps", "2", "--warmup", "1"]
+    row = _trainer_step_row(tmp_path, args)
     assert row["world"] == 3 and row["rank"] == 1 and row["baseline_run"]["world"] == 1
     assert row["time_vs_baseline"] == round(row["step_ms"] / row["baseline_run"]["step_ms"], 3)
 
@@ -157,16 +163,7 @@ def test_trainer_benchmark_trains_the_bev_detectors_with_the_bev_sharded(tmp_pat
     whole input on one device (``--baseline device``); no timing is asserted."""
     args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", model, "--cameras", "2", "--batch", "1"]
     args += ["--height", "64", "--width", "176", "--fake-world", "2", "--bev-shard", "x", "--baseline", "device"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "trainer_step.py"), *args, "--steps", "2", "--warmup", "1"]
-        + ["--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
+    row = _trainer_step_row(tmp_path, [*args, "--steps", "2", "--warmup", "1"])
     assert row["world"] == 2 and row["bev_shard"] == "x" and row["baseline_run"]["world"] == 1
     assert row["step_ms"] > 0 and row["baseline_run"]["step_ms"] > 0
 
