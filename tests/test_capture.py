@@ -7,11 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_spatial
 from lightning_spatial import SpatialParallelStrategy
 from lightning_spatial.capture import Watch, choose, describe
+from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 from lightning_spatial.run import Run, entered
+from tests.models.surround import surround_batch
 from tests.spmd import axes, run_spmd
 
 
@@ -89,6 +92,54 @@ def _bev_choice_case(layout, bev_shard):
 @pytest.mark.parametrize("layout", ["w2", "2x2"])
 def test_with_bev_shard_the_bev_encoder_is_chosen_too(layout, bev_shard):
     run_spmd(_bev_choice_case, 2 if layout == "w2" else 4, layout, bev_shard)
+
+
+class HostData(TorchDispatchMode):
+    """Notes the tensors made from host data (``torch.tensor``, ``new_tensor``: ``aten.lift_fresh``) while one of
+    ``modules`` runs: on CUDA each is a copy from the host, which a graph's capture refuses (the module then runs
+    eagerly, as its warning says)."""
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        super().__init__()
+        self.running: list[str] = []
+        self.made: set[str] = set()
+        for name, module in modules.items():
+            module.register_forward_pre_hook(lambda *_, name=name: self.running.append(name) and None)
+            module.register_forward_hook(lambda *_: self.running.pop() and None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.running and func.overloadpacket in (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy):
+            self.made.add(self.running[-1])
+        return func(*args, **(kwargs or {}))
+
+
+DETECTORS = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV, "bevformer": BEVFormer}
+
+
+def _detector_capture_case(name):
+    torch.manual_seed(0)
+    model = DETECTORS[name].tiny()
+    batch = surround_batch(batch=1, cameras=2, height=32, width=96, boxes=[3])
+    batch["images"] = lightning_spatial.shard(batch["images"], axes("w2"))
+
+    def step():
+        model.loss(model(batch), batch)["loss"].backward()
+
+    with entered(Run(bev_shard="x")):
+        with Watch(model) as watch:
+            step()
+        chosen, _ = choose(model, watch.seen)
+        with HostData({c: model.get_submodule(c) for c in chosen}) as host:
+            step()
+    assert "encoder" in chosen, chosen
+    assert host.made == set(), f"{name}: {sorted(host.made)} make tensors from host data"
+
+
+@pytest.mark.parametrize("name", list(DETECTORS))
+def test_the_modules_chosen_in_a_bev_detector_make_no_tensor_from_host_data(name):
+    """What the default replays in each BEV detector (the BEV side with ``bev_shard``) can be captured: no
+    host-to-device copy inside (BEVFormer's layers once divided by ``new_tensor`` sizes, and ran eagerly)."""
+    run_spmd(_detector_capture_case, 2, name, timeout=300)
 
 
 def test_unsharded_runs_choose_nothing():
