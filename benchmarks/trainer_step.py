@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_spatial  # noqa: F401 - registers "spatial_tp" and "horovod"
+from lightning_spatial.primitives import CUDAGraphed
 
 
 def parse() -> argparse.Namespace:
@@ -131,6 +132,7 @@ def model_and_data(args, length: int):
 class StepTimer(L.Callback):
     def __init__(self, warmup: int, profile_to: str | None = None, options: dict | None = None):
         self.warmup, self.times, self.profiler = warmup, [], None
+        self.graphed: dict[str, bool] = {}  # at the last step (the strategy unwraps at its teardown)
         self.profile_to, self.options = profile_to, options
 
     def _sync(self, trainer) -> None:
@@ -150,6 +152,8 @@ class StepTimer(L.Callback):
         self._sync(trainer)
         if batch_idx >= self.warmup:
             self.times.append((time.perf_counter() - self.start) * 1e3)
+        # the submodules the strategy wrapped: replaying (True) or eager (False: warming up, or a capture failed)
+        self.graphed = {n: m.captured for n, m in pl_module.named_modules() if isinstance(m, CUDAGraphed)}
         if self.profiler is not None:  # the profiled step is timed too: its row says so ("profile": true)
             self.profiler.__exit__(None, None, None)
             table = self.profiler.key_averages()
@@ -219,6 +223,7 @@ def measure(args, plugins: list) -> dict:
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else float("nan"),
         "reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2) if cuda else float("nan"),
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # 0 when eager
+        "cuda_graphed": timer.graphed,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
     }
 

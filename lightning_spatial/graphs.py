@@ -235,6 +235,11 @@ class CUDAGraphed(nn.Module):
                 raise
             return getattr(self.module, name)
 
+    @property
+    def captured(self) -> bool:
+        """Whether a capture holds: False before the warm-up ends, and for good once a capture failed."""
+        return bool(self._graphs)
+
     @torch.compiler.disable  # opaque to a compiled caller (dynamo must not trace a capture); a compiled module
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # inside still runs compiled
         flat, spec = tree_flatten((args, kwargs))

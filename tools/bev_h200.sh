@@ -47,7 +47,7 @@ case "${1:-memory}" in
     done ;;
   gputests)
     for f in tests/strategy/test_graphs_default.py tests/test_graphs.py; do
-      python3 -m pytest -q -p no:cacheprovider -rs "$f" 2>&1 | tail -25
+      python3 -m pytest -q -p no:cacheprovider -rfEs --disable-warnings "$f" 2>&1 | tail -25  # failures named
     done ;;
   train)
     # a warm machine keeps the run: the next call resumes from its last checkpoint (the time limit counts all calls)

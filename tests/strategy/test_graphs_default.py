@@ -133,7 +133,7 @@ class Captures(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         for name, m in pl_module.named_modules():
-            if isinstance(m, CUDAGraphed) and m._graphs:
+            if isinstance(m, CUDAGraphed) and m.captured:
                 self.replaying.add(name)
 
 
