@@ -130,7 +130,7 @@ def test_readme_test_command_is_what_ci_runs():
 # README's performance figures: each table row cites its result rows, and every number in it is recomputed from them.
 README = (ROOT / "README.md").read_text()
 RESULTS = ROOT / "benchmarks" / "results"
-RESULT_NAME = re.compile(r"\d{4}-\d{2}-\d{2}_(h200|2xh200|cpu)_[0-9a-f]{7,40}_[\w.+-]+\.(jsonl|json|csv|png)")
+RESULT_NAME = re.compile(r"\d{4}-\d{2}-\d{2}_(h200|h100|2xh200|cpu)_[0-9a-f]{7,40}_[\w.+-]+\.(jsonl|json|csv|png)")
 CITATION = re.compile(r"\]\((benchmarks/results/[^)#\s]+)(?:#([^)\s]*))?\)")
 BASELINES = {"shard": "shard alone", "one device": "one device"}
 
@@ -246,4 +246,4 @@ def test_readme_quotes_figures_only_in_its_checked_tables():
 
 def test_result_files_are_named_by_date_device_and_commit():
     misnamed = [p.name for p in RESULTS.iterdir() if not RESULT_NAME.fullmatch(p.name)]
-    assert not misnamed, f"benchmarks/results/<date>_<h200|2xh200|cpu>_<commit>_<what>.<ext>: {misnamed}"
+    assert not misnamed, f"benchmarks/results/<date>_<h200|h100|2xh200|cpu>_<commit>_<what>.<ext>: {misnamed}"
