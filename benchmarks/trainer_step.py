@@ -152,8 +152,6 @@ class StepTimer(L.Callback):
         self._sync(trainer)
         if batch_idx >= self.warmup:
             self.times.append((time.perf_counter() - self.start) * 1e3)
-        # the submodules the strategy wrapped: replaying (True) or eager (False: warming up, or a capture failed)
-        self.graphed = {n: m.captured for n, m in pl_module.named_modules() if isinstance(m, CUDAGraphed)}
         if self.profiler is not None:  # the profiled step is timed too: its row says so ("profile": true)
             self.profiler.__exit__(None, None, None)
             table = self.profiler.key_averages()
@@ -162,6 +160,8 @@ class StepTimer(L.Callback):
                 for key in ("self_device_time_total", "self_cpu_time_total"):
                     f.write(f"sorted by {key}\n{table.table(sort_by=key, row_limit=30)}\n")
             self.profiler = None
+        # the submodules the strategy wrapped: replaying (True) or eager (False: warming up, or a capture failed)
+        self.graphed = {n: m.captured for n, m in pl_module.named_modules() if isinstance(m, CUDAGraphed)}
 
 
 def strategy(args):

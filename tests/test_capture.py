@@ -104,8 +104,14 @@ class HostData(TorchDispatchMode):
         self.running: list[str] = []
         self.made: set[str] = set()
         for name, module in modules.items():
-            module.register_forward_pre_hook(lambda *_, name=name: self.running.append(name) and None)
-            module.register_forward_hook(lambda *_: self.running.pop() and None)
+            module.register_forward_pre_hook(lambda *_, name=name: self._enter(name))
+            module.register_forward_hook(lambda *_: self._leave())
+
+    def _enter(self, name: str) -> None:
+        self.running.append(name)
+
+    def _leave(self) -> None:
+        self.running.pop()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.running and func.overloadpacket in (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy):
@@ -125,7 +131,7 @@ def _detector_capture_case(name):
     def step():
         model.loss(model(batch), batch)["loss"].backward()
 
-    with entered(Run(bev_shard="x")):
+    with entered(Run(bev_shard="x", fallback="error")):  # every op of the step on a spatial handler
         with Watch(model) as watch:
             step()
         chosen, _ = choose(model, watch.seen)
