@@ -81,7 +81,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=None, help="horovod: grouped all-reduce in this many groups")
     p.add_argument("--bucket-mb", type=float, default=None, help="horovod: gradients in buckets of this size (MiB)")
     p.add_argument("--async-completion", action="store_true", help="horovod: GPU ops complete on the stream")
-    p.add_argument("--profile", action="store_true", help="rank 0: profile the first timed step")
+    p.add_argument("--profile", action="store_true", help="profile the first timed step of local rank 0 or a fake rank")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--accelerator", default="gpu")
@@ -143,7 +143,7 @@ class StepTimer(L.Callback):
         self._sync(trainer)
         if batch_idx == self.warmup and trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
-        if batch_idx == self.warmup and self.profile_to and trainer.global_rank == 0:
+        if batch_idx == self.warmup and self.profile_to and trainer.local_rank == 0:  # FakeRank plays rank 1
             self.profiler = torch.profiler.profile()  # CPU, and CUDA where there is one
             self.profiler.__enter__()
         self.start = time.perf_counter()

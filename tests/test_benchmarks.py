@@ -149,12 +149,16 @@ def _trainer_step_row(tmp_path, args: list[str]) -> dict:
 
 def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
     """``--fake-world``: one process plays rank 1 of a 3-rank width split through the Trainer (the fake backend), and
-    ``--baseline shard`` runs the plain model alone on that rank's 32 of 96 columns first; no timing is asserted."""
+    ``--baseline shard`` runs the plain model alone on that rank's 32 of 96 columns first; ``--profile`` profiles the
+    rank's first timed step (not the baseline's); no timing is asserted."""
     args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", "convnext_atto", "--height", "32"]
-    args += ["--width", "96", "--fake-world", "3", "--baseline", "shard", "--steps", "2", "--warmup", "1"]
+    args += ["--width", "96", "--fake-world", "3", "--baseline", "shard", "--steps", "2", "--warmup", "1", "--profile"]
     row = _trainer_step_row(tmp_path, args)
     assert row["world"] == 3 and row["rank"] == 1 and row["baseline_run"]["world"] == 1
     assert row["time_vs_baseline"] == round(row["step_ms"] / row["baseline_run"]["step_ms"], 3)
+    (profile,) = tmp_path.glob("profile_*.txt")
+    header, table = profile.read_text().split("\n", 1)
+    assert json.loads(header)["fake_world"] == 3 and "aten::convolution" in table
 
 
 @pytest.mark.parametrize("model", ["petr_tiny", "lift_splat_tiny", "simple_bev_tiny", "bevformer_tiny"])

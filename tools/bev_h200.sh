@@ -6,7 +6,7 @@
 #                                       # S = 2, 4, 8, BEV replicated and sharded (one GPU, fake group)
 #   bash tools/bev_h200.sh trainer    # BEVFormer, Lift-Splat, Simple-BEV through the Trainer as users run them (default
 #                                       # CUDA graphs, bev_shard="x"), one rank of S = ${S:-4} (fake group) beside one
-#                                       # device, ${PRECISION:-32-true}
+#                                       # device, ${PRECISION:-32-true}; EXTRA="--profile": an op table to $OUT
 #   bash tools/bev_h200.sh gputests   # the GPU tests, each file in a pytest run of its own (README)
 #   bash tools/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on ${GPUS:-2} GPUs (S = GPUS) for
 #                                       # ${MINUTES:-6} minutes;
@@ -43,7 +43,8 @@ case "${1:-memory}" in
     for model in "bevformer --height 900 --width 1600" "lift_splat --height 512 --width 1408 --bev-size 200,200" \
                  "simple_bev --height 512 --width 1408 --bev-size 200,200"; do
       python3 benchmarks/trainer_step.py --strategy spatial_tp --fake-world "${S:-4}" --baseline device --batch 1 \
-        --cameras 6 --bev-shard x --precision "${PRECISION:-32-true}" --warmup 6 --steps 8 --out "$OUT" --model $model
+        --cameras 6 --bev-shard x --precision "${PRECISION:-32-true}" --warmup 6 --steps 8 --out "$OUT" --model $model \
+        ${EXTRA:-}
     done ;;
   gputests)
     for f in tests/strategy/test_graphs_default.py tests/test_graphs.py; do
