@@ -95,9 +95,17 @@ def test_with_bev_shard_the_bev_encoder_is_chosen_too(layout, bev_shard):
 
 
 class HostData(TorchDispatchMode):
-    """Notes the tensors made from host data (``torch.tensor``, ``new_tensor``: ``aten.lift_fresh``) while one of
-    ``modules`` runs: on CUDA each is a copy from the host, which a graph's capture refuses (the module then runs
-    eagerly, as its warning says)."""
+    """Notes the ops that need the host while one of ``modules`` runs: tensors made from host data (``torch.tensor``,
+    ``new_tensor``: ``aten.lift_fresh``), values read back (``.item()``, ``bool(t)``: ``aten._local_scalar_dense``)
+    and shapes that depend on values (``nonzero``). On CUDA each is a copy between host and device, which a graph's
+    capture refuses (the module then runs eagerly, as its warning says)."""
+
+    OPS = (
+        torch.ops.aten.lift_fresh,
+        torch.ops.aten.lift_fresh_copy,
+        torch.ops.aten._local_scalar_dense,
+        torch.ops.aten.nonzero,
+    )
 
     def __init__(self, modules: dict[str, nn.Module]):
         super().__init__()
@@ -114,8 +122,8 @@ class HostData(TorchDispatchMode):
         self.running.pop()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.running and func.overloadpacket in (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy):
-            self.made.add(self.running[-1])
+        if self.running and func.overloadpacket in self.OPS:
+            self.made.add((self.running[-1], func.overloadpacket.__name__))
         return func(*args, **(kwargs or {}))
 
 
@@ -138,13 +146,13 @@ def _detector_capture_case(name):
         with HostData({c: model.get_submodule(c) for c in chosen}) as host:
             step()
     assert "encoder" in chosen, chosen
-    assert host.made == set(), f"{name}: {sorted(host.made)} make tensors from host data"
+    assert host.made == set(), f"{name}: (module, op) {sorted(host.made)} need the host"
 
 
 @pytest.mark.parametrize("name", list(DETECTORS))
-def test_the_modules_chosen_in_a_bev_detector_make_no_tensor_from_host_data(name):
-    """What the default replays in each BEV detector (the BEV side with ``bev_shard``) can be captured: no
-    host-to-device copy inside (BEVFormer's layers once divided by ``new_tensor`` sizes, and ran eagerly)."""
+def test_the_modules_chosen_in_a_bev_detector_need_no_host(name):
+    """What the default replays in each BEV detector (the BEV side with ``bev_shard``) can be captured: no copy
+    between host and device inside (BEVFormer's layers once divided by ``new_tensor`` sizes, and ran eagerly)."""
     run_spmd(_detector_capture_case, 2, name, timeout=300)
 
 
