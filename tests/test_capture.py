@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_spatial
 from lightning_spatial import SpatialParallelStrategy
 from lightning_spatial.capture import Watch, choose, describe
 from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 from lightning_spatial.run import Run, entered
+from tests.host import HostRoundTrips
 from tests.models.surround import surround_batch
 from tests.spmd import axes, run_spmd
 
@@ -94,39 +94,6 @@ def test_with_bev_shard_the_bev_encoder_is_chosen_too(layout, bev_shard):
     run_spmd(_bev_choice_case, 2 if layout == "w2" else 4, layout, bev_shard)
 
 
-class HostData(TorchDispatchMode):
-    """Notes the ops that need the host while one of ``modules`` runs: tensors made from host data (``torch.tensor``,
-    ``new_tensor``: ``aten.lift_fresh``), values read back (``.item()``, ``bool(t)``: ``aten._local_scalar_dense``)
-    and shapes that depend on values (``nonzero``). On CUDA each is a copy between host and device, which a graph's
-    capture refuses (the module then runs eagerly, as its warning says)."""
-
-    OPS = (
-        torch.ops.aten.lift_fresh,
-        torch.ops.aten.lift_fresh_copy,
-        torch.ops.aten._local_scalar_dense,
-        torch.ops.aten.nonzero,
-    )
-
-    def __init__(self, modules: dict[str, nn.Module]):
-        super().__init__()
-        self.running: list[str] = []
-        self.made: set[str] = set()
-        for name, module in modules.items():
-            module.register_forward_pre_hook(lambda *_, name=name: self._enter(name))
-            module.register_forward_hook(lambda *_: self._leave())
-
-    def _enter(self, name: str) -> None:
-        self.running.append(name)
-
-    def _leave(self) -> None:
-        self.running.pop()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.running and func.overloadpacket in self.OPS:
-            self.made.add((self.running[-1], func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
-
-
 DETECTORS = {"petr": PETR, "lift_splat": LiftSplat, "simple_bev": SimpleBEV, "bevformer": BEVFormer}
 
 
@@ -143,7 +110,7 @@ def _detector_capture_case(name):
         with Watch(model) as watch:
             step()
         chosen, _ = choose(model, watch.seen)
-        with HostData({c: model.get_submodule(c) for c in chosen}) as host:
+        with HostRoundTrips({c: model.get_submodule(c) for c in chosen}) as host:
             step()
     assert "encoder" in chosen, chosen
     assert host.made == set(), f"{name}: (module, op) {sorted(host.made)} need the host"

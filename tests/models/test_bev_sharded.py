@@ -16,6 +16,7 @@ from lightning_spatial import SpatialTensor, shard
 from lightning_spatial.layout import LayoutError
 from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 from lightning_spatial.run import Run, entered
+from tests.host import HostRoundTrips
 from tests.models.surround import surround_batch
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
@@ -187,3 +188,36 @@ def test_a_bev_grid_with_fewer_rows_than_ranks_fails_naming_the_sizes():
     """BEVFormer's BEV queries sharded by rows (bev_shard="x") need at least a row per rank: its first cross-attention
     raises with the sizes and the fix, before any optimizer step."""
     run_spmd(_bev_rows_fewer_than_ranks, 2)
+
+
+DETECTORS = {"lift_splat": LiftSplat, "simple_bev": SimpleBEV, "petr": PETR, "bevformer": BEVFormer}
+HOST_BY_DESIGN = {
+    "check_contents": "forward reads the batch's values only while the batch is on the host (before its transfer)",
+    "match": "the query heads' Hungarian matching runs on the host",
+}
+
+
+def _host_round_trips_case(name, layout):
+    torch.manual_seed(0)
+    model = DETECTORS[name].tiny()
+    batch = surround_batch(batch=2, cameras=2, height=64, width=96, boxes=[3, 1])
+    batch["images"] = shard(batch["images"], axes(layout))
+
+    def step():
+        model.loss(model(batch), batch)["loss"].backward()
+
+    with entered(Run(bev_shard="x" if layout == "w2" else "xy", fallback="error")):
+        step()  # first calls may plan and cache (index tensors are built once)
+        with HostRoundTrips() as host:
+            step()
+    waits = sorted((where[-1], op) for where, op in host.made if not HOST_BY_DESIGN.keys() & set(where))
+    assert not waits, f"(function, op) {waits} wait for the device in every training step"
+
+
+@pytest.mark.parametrize("layout", ["w2", "2x2"])
+@pytest.mark.parametrize("name", list(DETECTORS))
+def test_a_training_step_never_waits_for_the_device(name, layout):
+    """Forward, loss and backward of each BEV detector, sharded, copy nothing between host and device (on a GPU each
+    copy drains its queue, and the GPU idles while Python launches what follows) except where ``HOST_BY_DESIGN``
+    says: the last step of a rank with the default CUDA graphs is then never waiting on the host's Python."""
+    run_spmd(_host_round_trips_case, 2 if layout == "w2" else 4, name, layout)

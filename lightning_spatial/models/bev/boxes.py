@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from .geometry import on_device
+
 CODE_SIZE = 10
 # Velocity errors count less than geometry, as in PETR and CenterPoint.
 CODE_WEIGHTS = (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2)
+
+
+def code_weights(like: torch.Tensor) -> torch.Tensor:
+    """``CODE_WEIGHTS`` on ``like``'s device, in its dtype, without a copy from the host (``on_device``)."""
+    return on_device(CODE_WEIGHTS, like)
 
 
 def encode(boxes: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ class CenterHead(nn.Module):
         (nx, ny), (cx, cy) = self.grid.size, self.grid.cell
         centre = self.grid.cell_coordinates(boxes[:, :2].float())
         cell = centre.floor()
-        inside = ((cell >= 0) & (cell < cell.new_tensor([nx, ny]))).all(-1)
+        inside = (cell >= 0).all(-1) & (cell[:, 0] < nx) & (cell[:, 1] < ny)
         radius = gaussian_radius(boxes[:, 4] / cx, boxes[:, 3] / cy).floor().clamp(min=self.min_radius)
         sigma = (2 * radius + 1) / 6
         every = torch.meshgrid(*(torch.arange(n, device=boxes.device) for n in (nx, ny)), indexing="ij")
@@ -88,7 +88,7 @@ class CenterHead(nn.Module):
         heatmap's negatives only."""
         heatmap, regression, mask = (torch.stack(t) for t in zip(*map(self.targets, boxes, labels)))
         count = normaliser(mask.sum()).clamp(min=1)
-        weights = outputs["regression"].new_tensor(box_code.CODE_WEIGHTS).view(1, -1, 1, 1)
+        weights = box_code.code_weights(outputs["regression"]).view(1, -1, 1, 1)
         heat = gaussian_focal_loss(_wide(outputs["heatmap"]), heatmap) / count
         reg = self.regression_weight * l1_known(_wide(outputs["regression"]), regression, weights * mask) / count
         return {"loss": heat + reg, "loss_heatmap": heat, "loss_regression": reg}

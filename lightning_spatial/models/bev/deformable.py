@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .geometry import on_device
+
 
 def deformable_sample(maps: list[torch.Tensor], locations: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Multi-scale deformable attention's core: value maps, per level ``(B', Ch, h_l, w_l)``; sampling
@@ -78,7 +80,7 @@ class TemporalSelfAttention(nn.Module):
         offsets = self.offsets(both).view(b, nx, ny, 2, heads, points, 2)
         weights = self.weights(both).view(b, nx, ny, 2, heads, points).softmax(-1)
         centres = _cell_centres(nx, ny, queries)  # (X, Y, 2) in [0, 1], x along Y (the maps' width)
-        size = _on_device([ny, nx], queries)
+        size = on_device([ny, nx], queries)
         locations = centres[:, :, None, None, None] + offsets / size  # (B, X, Y, 2, heads, P, 2)
         locations = locations.permute(0, 3, 4, 5, 1, 2, 6).reshape(b * 2 * heads, 1, points, nx, ny, 2)
         weights = weights.permute(0, 3, 4, 5, 1, 2).reshape(b * 2 * heads, 1, points, nx, ny)
@@ -118,7 +120,7 @@ class SpatialCrossAttention(nn.Module):
         q = queries + query_pos
         offsets = self.offsets(q).view(b, 1, nx, ny, heads, levels, anchors, points, 2)
         weights = self.weights(q).view(b, nx, ny, heads, levels * anchors * points).softmax(-1)
-        sizes = _on_device([n for h, w in shapes for n in (w, h)], q).view(-1, 2)  # per level (w, h)
+        sizes = on_device([n for h, w in shapes for n in (w, h)], q).view(-1, 2)  # per level (w, h)
         locations = reference[:, :, :, :, None, None, :, None] + offsets / sizes[:, None, None]
         locations = locations.permute(0, 1, 4, 5, 6, 7, 2, 3, 8).reshape(b * n * heads, levels, -1, nx, ny, 2)
         weights = weights.view(b, 1, nx, ny, heads, levels, anchors * points).expand(-1, n, -1, -1, -1, -1, -1)
@@ -131,12 +133,6 @@ class SpatialCrossAttention(nn.Module):
         out = deformable_sample(maps, locations, weights).view(b, n, c, nx, ny) * hit[:, :, None]
         out = out.sum(1) / hit.sum(1)[:, None].clamp(min=1)
         return self.output(out.permute(0, 2, 3, 1))
-
-
-def _on_device(values: list[int], like: torch.Tensor) -> torch.Tensor:
-    """``values`` as a vector made on ``like``'s device by fills: ``torch.tensor(..., device=...)`` copies from the
-    host, which a CUDA graph's capture refuses, and the default graphs replay these layers."""
-    return torch.cat([torch.full((1,), value, dtype=like.dtype, device=like.device) for value in values])
 
 
 def _head_maps(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -184,7 +180,7 @@ class DeformableDecoderLayer(nn.Module):
         offsets = self.offsets(q).view(b, nq, heads, points, 2)
         weights = self.weights(q).view(b, nq, heads, points).softmax(-1)
         centre = reference[..., :2].flip(-1).to(q.dtype)  # (y, x): along the map's width (Y), then its height (X)
-        locations = centre[:, :, None, None] + offsets / _on_device([ny, nx], q)  # (B, Q, heads, P, 2)
+        locations = centre[:, :, None, None] + offsets / on_device([ny, nx], q)  # (B, Q, heads, P, 2)
         grid = (2 * locations - 1).permute(0, 2, 1, 3, 4).reshape(b * heads, nq, points, 2)
         value = _head_maps(self.value(bev), heads)
         # the queries' samples as one flat row each: a sharded BEV's partial sums are all-reduced, queries stay whole

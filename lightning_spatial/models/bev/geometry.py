@@ -15,6 +15,13 @@ from dataclasses import dataclass
 import torch
 
 
+def on_device(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """``values`` as a vector of ``like``'s dtype made on its device by fills: ``torch.tensor(..., device=...)``
+    copies from the host, which waits for the device to finish its queue (a GPU idles after it while Python catches
+    up) and which a CUDA graph's capture refuses."""
+    return torch.cat([torch.full((1,), value, dtype=like.dtype, device=like.device) for value in values])
+
+
 def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     x = x.clamp(0, 1)
     return torch.log(x.clamp(min=eps) / (1 - x).clamp(min=eps))
@@ -46,8 +53,7 @@ def project(points: torch.Tensor, lidar2img: torch.Tensor, image_hw: Sequence[in
     camera = torch.einsum("bnij,pj->bnpi", lidar2img.float(), homogeneous)
     depth = camera[..., 2:3]
     pixels = camera[..., :2] / depth.clamp(min=eps)
-    size = torch.tensor([image_hw[1], image_hw[0]], device=points.device, dtype=torch.float32)
-    grid = (2 * pixels + 1) / size - 1
+    grid = (2 * pixels + 1) / on_device([image_hw[1], image_hw[0]], pixels) - 1
     valid = (depth[..., 0] > eps) & (grid.abs() <= 1).all(-1)
     return grid, valid.float()
 

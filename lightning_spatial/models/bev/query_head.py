@@ -115,16 +115,16 @@ class QueryHead(nn.Module):
         may average it over data replicas; at least 1). An empty scene trains the no-object class only: its box
         term is a graph-connected zero."""
         targets = [box_code.encode(b.float()) for b in boxes]
-        count = outputs["logits"].new_tensor(float(sum(len(lab) for lab in labels)))
+        like = outputs["logits"]
+        count = torch.full((), float(sum(len(lab) for lab in labels)), dtype=like.dtype, device=like.device)
         num_boxes = normaliser(count).clamp(min=1)
-        weights = outputs["codes"].new_tensor(box_code.CODE_WEIGHTS)
+        weights = box_code.code_weights(outputs["codes"])
         terms = []
         matches = self.match(outputs["logits"], outputs["codes"], targets, labels)
         for logits, codes, (batch, query, matched_codes, matched_labels) in zip(
             outputs["logits"], outputs["codes"], matches
         ):
-            classes = torch.zeros_like(logits)
-            classes[batch, query, matched_labels] = 1
+            classes = torch.zeros_like(logits).index_put_((batch, query, matched_labels), logits.new_ones(()))
             cls = self.cls_weight * sigmoid_focal_loss(logits, classes) / num_boxes
             box = self.box_weight * l1_known(codes[batch, query], matched_codes, weights) / num_boxes
             terms.append((cls, box))
@@ -141,7 +141,7 @@ class QueryHead(nn.Module):
         classes = F.one_hot(denoise.labels.clamp(min=0), logits.shape[-1]).to(logits.dtype) * positive[..., None]
         real = denoise.real[..., None].to(codes.dtype)  # masks multiply: boolean indexing would wait for the GPU
         target = box_code.encode(denoise.boxes.float())  # padding's zero sizes encode finite (clamped)
-        weights = codes.new_tensor(box_code.CODE_WEIGHTS) * real
+        weights = box_code.code_weights(codes) * real
         total = 0
         for layer_logits, layer_codes in zip(logits, codes):
             cls = sigmoid_focal_loss(layer_logits, classes, weight=real) / positive.sum().clamp(min=1)

@@ -1,0 +1,50 @@
+"""``HostRoundTrips``: the ops of a step that need the host. On CUDA each is a copy between host and device that
+waits for the device's queue (the GPU then idles while Python catches up) and that a graph's capture refuses: tensors
+made from host data (``torch.tensor``, ``new_tensor``: ``aten.lift_fresh``), values read back (``.item()``,
+``bool(t)``: ``aten._local_scalar_dense``) and shapes that depend on values (``nonzero``). On the CPU the same ops
+run, so a CPU test finds them."""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+OPS = (
+    torch.ops.aten.lift_fresh,
+    torch.ops.aten.lift_fresh_copy,
+    torch.ops.aten._local_scalar_dense,
+    torch.ops.aten.nonzero,
+)
+
+
+class HostRoundTrips(TorchDispatchMode):
+    """Notes each op of ``OPS`` as (where, op): where is the innermost of ``modules`` running (by name; ops outside
+    them are not noted), or without ``modules`` the names of the ``lightning_spatial`` functions on the stack."""
+
+    def __init__(self, modules: dict[str, nn.Module] | None = None):
+        super().__init__()
+        self.modules = modules
+        self.running: list[str] = []
+        self.made: set[tuple] = set()
+        for name, module in (modules or {}).items():
+            module.register_forward_pre_hook(lambda *_, name=name: self._enter(name))
+            module.register_forward_hook(lambda *_: self._leave())
+
+    def _enter(self, name: str) -> None:
+        self.running.append(name)
+
+    def _leave(self) -> None:  # a forward hook returning something would replace the module's output
+        self.running.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in OPS:
+            if self.modules is None:
+                stack = traceback.extract_stack()
+                where = tuple(f.name for f in stack if "/lightning_spatial/" in f.filename.replace("\\", "/"))
+                self.made.add((where, func.overloadpacket.__name__))
+            elif self.running:
+                self.made.add((self.running[-1], func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
