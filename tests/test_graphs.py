@@ -16,6 +16,7 @@ from lightning_spatial import halo, run
 from lightning_spatial.graphs import CUDAGraphed, _Replay, noting_bucket_views
 from lightning_spatial.primitives import Axis, DimShard, Layout
 from lightning_spatial.tensor import SpatialTensor, wrap
+from tests.spmd import run_spmd
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -299,48 +300,47 @@ class _Replayed(torch.nn.Module):
         return _Replay.apply(self.graphs, *self.model.parameters())[0]
 
 
+def _ddp_buckets_case():
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)  # strides DDP must keep
+    x = torch.randn(2, 3, 8, 8)
+    reference = [g for g in torch.autograd.grad(model(x).sum(), list(model.parameters()))]
+
+    @noting_bucket_views
+    def hook(state, bucket):
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(None, hook)
+    ddp(x).sum().backward()  # eager: DDP's buckets, their views noted
+    model.zero_grad(set_to_none=True)
+    replayed = DistributedDataParallel(_Replayed(model, _EagerGraphs(model, x)), gradient_as_bucket_view=True)
+    replayed.register_comm_hook(None, hook)
+    with torch.profiler.profile() as prof:
+        replayed(x).sum().backward()
+    accumulate = [e for e in prof.events() if e.name == "torch::autograd::AccumulateGrad"]
+
+    def copies(event):
+        return [c.name for c in event.cpu_children if c.name in ("aten::copy_", "aten::clone")] + [
+            name for c in event.cpu_children for name in copies(c)
+        ]
+
+    assert accumulate and not [name for e in accumulate for name in copies(e)]
+    for p, g in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=0)
+        assert p.grad.data_ptr() == run.current().bucket_views[p].data_ptr() and p.grad.stride() == p.stride()
+    replayed(x).sum().backward()  # .grad set: added to, in the bucket
+    for p, g in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.grad, 2 * g, rtol=1e-6, atol=0)
+
+
 def test_replayed_gradients_land_in_ddp_buckets_with_one_copy():
     """A replay's gradients are copied once, into DDP's buckets (``noting_bucket_views`` wraps the comm hook), where
     autograd adopts them and DDP finds them: no copy under ``AccumulateGrad`` (autograd's copy out of the graph's
     memory into a new ``.grad``, then DDP's into its bucket, as before). Gradients equal, ``.grad`` in the bucket;
     with ``.grad`` set (accumulation) they add as usual."""
-    from torch.distributed import HashStore
-    from torch.nn.parallel import DistributedDataParallel
-
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)  # strides DDP must keep
-        x = torch.randn(2, 3, 8, 8)
-        reference = [g for g in torch.autograd.grad(model(x).sum(), list(model.parameters()))]
-
-        @noting_bucket_views
-        def hook(state, bucket):
-            done = torch.futures.Future()
-            done.set_result(bucket.buffer())
-            return done
-
-        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-        ddp.register_comm_hook(None, hook)
-        ddp(x).sum().backward()  # eager: DDP's buckets, their views noted
-        model.zero_grad(set_to_none=True)
-        replayed = DistributedDataParallel(_Replayed(model, _EagerGraphs(model, x)), gradient_as_bucket_view=True)
-        replayed.register_comm_hook(None, hook)
-        with torch.profiler.profile() as prof:
-            replayed(x).sum().backward()
-        accumulate = [e for e in prof.events() if e.name == "torch::autograd::AccumulateGrad"]
-
-        def copies(event):
-            return [c.name for c in event.cpu_children if c.name in ("aten::copy_", "aten::clone")] + [
-                name for c in event.cpu_children for name in copies(c)
-            ]
-
-        assert accumulate and not [name for e in accumulate for name in copies(e)]
-        for p, g in zip(model.parameters(), reference):
-            torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=0)
-            assert p.grad.data_ptr() == run.current().bucket_views[p].data_ptr() and p.grad.stride() == p.stride()
-        replayed(x).sum().backward()  # .grad set: added to, in the bucket
-        for p, g in zip(model.parameters(), reference):
-            torch.testing.assert_close(p.grad, 2 * g, rtol=1e-6, atol=0)
-    finally:
-        dist.destroy_process_group()
+    run_spmd(_ddp_buckets_case, 1)  # a rank of its own: the parent never initialises a process group
