@@ -1,8 +1,8 @@
 """``HostRoundTrips``: the ops of a step that need the host. On CUDA each is a copy between host and device that
 waits for the device's queue (the GPU then idles while Python catches up) and that a graph's capture refuses: tensors
 made from host data (``torch.tensor``, ``new_tensor``: ``aten.lift_fresh``), values read back (``.item()``,
-``bool(t)``: ``aten._local_scalar_dense``) and shapes that depend on values (``nonzero``). On the CPU the same ops
-run, so a CPU test finds them."""
+``bool(t)``: ``aten._local_scalar_dense``) and shapes that depend on values (``nonzero``, ``unique``,
+``masked_select``, indexing by a boolean mask). On the CPU the same ops run, so a CPU test finds them."""
 
 from __future__ import annotations
 
@@ -12,12 +12,24 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+aten = torch.ops.aten
 OPS = (
-    torch.ops.aten.lift_fresh,
-    torch.ops.aten.lift_fresh_copy,
-    torch.ops.aten._local_scalar_dense,
-    torch.ops.aten.nonzero,
+    aten.lift_fresh,
+    aten.lift_fresh_copy,
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.masked_select,
 )
+
+
+def _needs_host(func, args) -> bool:
+    if func.overloadpacket in OPS:
+        return True
+    masks = args[1] if func.overloadpacket in (aten.index, aten.index_put, aten.index_put_) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in masks)
 
 
 class HostRoundTrips(TorchDispatchMode):
@@ -40,7 +52,7 @@ class HostRoundTrips(TorchDispatchMode):
         self.running.pop()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in OPS:
+        if _needs_host(func, args):
             if self.modules is None:
                 stack = traceback.extract_stack()
                 where = tuple(f.name for f in stack if "/lightning_spatial/" in f.filename.replace("\\", "/"))
