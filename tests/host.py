@@ -6,7 +6,9 @@ made from host data (``torch.tensor``, ``new_tensor``: ``aten.lift_fresh``), val
 
 from __future__ import annotations
 
+import os
 import traceback
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,8 +35,9 @@ def _needs_host(func, args) -> bool:
 
 
 class HostRoundTrips(TorchDispatchMode):
-    """Notes each op of ``OPS`` as (where, op): where is the innermost of ``modules`` running (by name; ops outside
-    them are not noted), or without ``modules`` the names of the ``lightning_spatial`` functions on the stack."""
+    """Notes each op that needs the host as (where, op): where is the innermost of ``modules`` running (by name; ops
+    outside them are not noted), or without ``modules`` the stack, as ``file stem.function`` names
+    (``query_head.match``), and the innermost of them outside torch: (where, op, that function)."""
 
     def __init__(self, modules: dict[str, nn.Module] | None = None):
         super().__init__()
@@ -54,9 +57,15 @@ class HostRoundTrips(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _needs_host(func, args):
             if self.modules is None:
-                stack = traceback.extract_stack()
-                where = tuple(f.name for f in stack if "/lightning_spatial/" in f.filename.replace("\\", "/"))
-                self.made.add((where, func.overloadpacket.__name__))
+                stack = traceback.extract_stack()[:-1]
+                where = tuple(f"{Path(f.filename).stem}.{f.name}" for f in stack)
+                ours = [w for w, f in zip(where, stack) if f"{os.sep}torch{os.sep}" not in f.filename]
+                self.made.add((where, func.overloadpacket.__name__, ours[-1] if ours else where[-1]))
             elif self.running:
                 self.made.add((self.running[-1], func.overloadpacket.__name__))
         return func(*args, **(kwargs or {}))
+
+
+def waits(made: set[tuple], by_design: set[str]) -> list[tuple[str, str]]:
+    """(the innermost function outside torch, op) of each noted stack that has no function of ``by_design``."""
+    return sorted((culprit, op) for where, op, culprit in made if not by_design & set(where))
