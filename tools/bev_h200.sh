@@ -4,9 +4,10 @@
 #   bash tools/bev_h200.sh bevformer  # BEVFormer-base-like at 900x1600, 200x200 BEV, S = 1..8 (one GPU, fake group)
 #   bash tools/bev_h200.sh bevplane   # Lift-Splat and Simple-BEV (ResNet BEV encoder) at 6x512x1408, 200x200 BEV,
 #                                       # S = 2, 4, 8, BEV replicated and sharded (one GPU, fake group)
-#   bash tools/bev_h200.sh trainer    # BEVFormer, Lift-Splat, Simple-BEV through the Trainer as users run them (default
-#                                       # CUDA graphs, bev_shard="x"), one rank of S = ${S:-4} (fake group) beside one
-#                                       # device, ${PRECISION:-32-true}; EXTRA="--profile": an op table to $OUT
+#   bash tools/bev_h200.sh trainer    # ${MODELS:-bevformer lift_splat simple_bev} (or petr) through the Trainer as
+#                                       # users run them (default CUDA graphs, bev_shard="x"), one rank of each S in
+#                                       # ${S:-4} ("4 8": both; fake group) beside one device, ${PRECISION:-32-true};
+#                                       # EXTRA="--profile": an op table to $OUT
 #   bash tools/bev_h200.sh gputests   # the GPU tests, each file in a pytest run of its own (README)
 #   bash tools/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on ${GPUS:-2} GPUs (S = GPUS) for
 #                                       # ${MINUTES:-6} minutes;
@@ -40,11 +41,15 @@ case "${1:-memory}" in
       done
     done ;;
   trainer)
-    for model in "bevformer --height 900 --width 1600" "lift_splat --height 512 --width 1408 --bev-size 200,200" \
-                 "simple_bev --height 512 --width 1408 --bev-size 200,200"; do
-      python3 benchmarks/trainer_step.py --strategy spatial_tp --fake-world "${S:-4}" --baseline device --batch 1 \
-        --cameras 6 --bev-shard x --precision "${PRECISION:-32-true}" --warmup 6 --steps 8 --out "$OUT" --model $model \
-        ${EXTRA:-}
+    declare -A size=([bevformer]="--height 900 --width 1600" [petr]="--height 900 --width 1600"
+                     [lift_splat]="--height 512 --width 1408 --bev-size 200,200"
+                     [simple_bev]="--height 512 --width 1408 --bev-size 200,200")
+    for s in ${S:-4}; do
+      for model in ${MODELS:-bevformer lift_splat simple_bev}; do
+        python3 benchmarks/trainer_step.py --strategy spatial_tp --fake-world "$s" --baseline device --batch 1 \
+          --cameras 6 --bev-shard x --precision "${PRECISION:-32-true}" --warmup 6 --steps 8 --out "$OUT" \
+          --model "$model" ${size[$model]} ${EXTRA:-}
+      done
     done ;;
   gputests)
     for f in tests/strategy/test_graphs_default.py tests/test_graphs.py; do
