@@ -17,9 +17,16 @@ with a warning). It runs eagerly, and says nothing, off CUDA, without autograd (
 capture; once the parameters are no longer where the capture saw them, it captures again. What a graph cannot see
 is frozen at capture: the forward must be a function of its tensor inputs, parameters and buffers (Python-side
 randomness or step counters are not replayed; torch's CUDA random numbers are). Outputs live in the graph's
-memory and are overwritten by the next replay, as with ``make_graphed_callables``. The graphs keep one more copy of
-the gradients and their own memory pool (measured: docs/benchmarks.md). Checkpoints do not see the wrapper: its
-state dict is the module's, under the same names.
+memory; a replay returns copies of them. The graphs keep one more copy of the gradients (measured:
+docs/benchmarks.md). Checkpoints do not see the wrapper: its state dict is the module's, under the same names.
+
+Memory: the captures made in one training step, up to its first replayed backward, share one pool (``_Pool``), so
+that what one graph only needs while it replays (its temporaries) is memory the next graph reuses, as in an eager
+step, instead of every capture reserving its own. What lives from one graph's replay to another's stays allocated:
+its outputs, the gradients it returns, and the activations its forward saves for its backward (the capture keeps
+the forward's autograd graph). That is safe while the graphs replay in their capture order, each forward and
+backward span nested inside the earlier graphs' (the order of one step of a model); a backward whose forward's
+saved activations an earlier graph may have overwritten since raises an error instead of computing gradients.
 """
 
 from __future__ import annotations
@@ -49,10 +56,57 @@ def _layout(t: Any):
     return t.shard_layout if isinstance(t, SpatialTensor) else None
 
 
+class _Pool:
+    """The memory pool that the captures of one step share (see the module docstring), and when each of its graphs
+    last replayed: member ``i`` is the ``i``-th capture made into it."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle  # torch.cuda.graph_pool_handle()
+        self.clock = 0
+        self.last_replay: list[int] = []
+
+    @staticmethod
+    def for_capture() -> _Pool:
+        """The current run's open pool on this device, or a new one."""
+        pools, device = run.current().graph_pools, torch.cuda.current_device()
+        if device not in pools:
+            pools[device] = _Pool(torch.cuda.graph_pool_handle())
+        return pools[device]
+
+    def close(self) -> None:
+        """Captures after a replayed backward start a pool of their own: a step's order holds only for the graphs
+        captured in that step."""
+        pools = run.current().graph_pools
+        for device in [d for d, pool in pools.items() if pool is self]:
+            del pools[device]
+
+    def join(self) -> int:
+        self.last_replay.append(0)
+        return len(self.last_replay) - 1
+
+    def replaying(self, member: int) -> int:
+        self.clock += 1
+        self.last_replay[member] = self.clock
+        return self.clock
+
+    def check_saved(self, member: int, forward_at: int, name: str) -> None:
+        """Raise if a graph captured before ``member`` replayed since ``member``'s forward: its memory may hold what
+        that forward saved for this backward."""
+        if any(at > forward_at for at in self.last_replay[:member]):
+            raise RuntimeError(
+                f"CUDAGraphed({name}): between this module's replayed forward and its backward, a module captured "
+                "before it replayed, in the memory where this forward's saved activations are; the gradients would "
+                "be wrong. Captured modules must run in the order of the step they were captured in (the forwards in "
+                "order, the backwards in reverse). Name only modules that run in a fixed order (cuda_graphs=[...]), "
+                "or turn graphs off (cuda_graphs=False)"
+            )
+
+
 class _Graphs:
     """One capture: the forward and backward graphs, their static inputs, outputs and gradients."""
 
-    def __init__(self, module: nn.Module, flat: list, spec) -> None:
+    def __init__(self, module: nn.Module, flat: list, spec, pool: _Pool) -> None:
+        self.name = type(module).__name__
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
         self.pointers = tuple(p.data_ptr() for p in self.params)
         self.is_tensor = [_is(a) for a in flat]
@@ -82,10 +136,9 @@ class _Graphs:
         _rehearse(module, forward, wrt)
         torch.set_rng_state(rng[0])  # the rehearsal's random numbers are not the step's: the replay draws those
         torch.cuda.set_rng_state(rng[1])
-        pool = torch.cuda.graph_pool_handle()
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
-        with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.forward_graph, pool=pool.handle, capture_error_mode="thread_local"):
             out = forward()
             flat_out, self.out_spec = tree_flatten(out)
             outs = [o for o in flat_out if _is(o)]
@@ -96,10 +149,14 @@ class _Graphs:
         self.out_needs_grad = [o.requires_grad for o in outs]
         differentiable = [o for o in local_outs if o.requires_grad]
         self.static_grad_out = [torch.empty_like(o) for o in differentiable]
-        with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
-            grads = torch.autograd.grad(differentiable, wrt, self.static_grad_out, allow_unused=True)
+        with torch.cuda.graph(self.backward_graph, pool=pool.handle, capture_error_mode="thread_local"):
+            grads = torch.autograd.grad(differentiable, wrt, self.static_grad_out, allow_unused=True, retain_graph=True)
         self.static_grads = list(grads)
-        del out, flat_out, outs, local_outs, differentiable, grads
+        # the forward's autograd graph, kept: the activations it saved stay allocated, so no later capture in the
+        # shared pool puts its own memory where this backward reads them
+        self.saved_by_forward = differentiable
+        self.pool, self.index = pool, pool.join()
+        del out, flat_out, outs, local_outs, grads
 
     def fits(self) -> bool:
         """The parameters still live where the graphs read them (``.to()`` or a reload that reallocates moves
@@ -131,15 +188,18 @@ def _rehearse(module: nn.Module, forward, wrt: list[torch.Tensor]) -> None:
 
 
 class _Replay(torch.autograd.Function):
-    """The recorded forward as one autograd node; its backward replays the recorded backward. The gradients it
-    returns are the graph's own tensors (still held here), so autograd copies them into ``.grad`` instead of
-    adopting memory that the next replay would overwrite."""
+    """The recorded forward as one autograd node; its backward replays the recorded backward. What it returns to
+    other nodes is copied out of the graph's memory, which a graph of the same pool may reuse before they read it:
+    the outputs, the inputs' gradients. The parameters' gradients are the graph's own tensors (still held here):
+    autograd accumulates them into ``.grad`` first thing (its ``AccumulateGrad`` nodes run before any other), by a
+    copy, not adopting memory that a replay would overwrite."""
 
     @staticmethod
     def forward(ctx, graphs: _Graphs, *edges: torch.Tensor):
         ctx.graphs = graphs
+        ctx.replayed_at = graphs.pool.replaying(graphs.index)
         graphs.forward_graph.replay()
-        outs = tuple(o.detach() for o in graphs.static_out)
+        outs = tuple(o.clone() for o in graphs.static_out)
         ctx.mark_non_differentiable(*(o for o, needs in zip(outs, graphs.out_needs_grad) if not needs))
         return outs
 
@@ -147,6 +207,9 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor):
         graphs = ctx.graphs
+        graphs.pool.check_saved(graphs.index, ctx.replayed_at, graphs.name)
+        graphs.pool.replaying(graphs.index)
+        graphs.pool.close()
         differentiable = (g for g, needs in zip(grads, graphs.out_needs_grad) if needs)
         for static, g in zip(graphs.static_grad_out, differentiable):
             if g is None:
@@ -155,7 +218,8 @@ class _Replay(torch.autograd.Function):
                 static.copy_(_local(g))
         graphs.backward_graph.replay()
         inputs = len(graphs.static_grads) - len(graphs.params)
-        return (None, *graphs.static_grads[:inputs], *map(_into_bucket, graphs.params, graphs.static_grads[inputs:]))
+        to_inputs = (None if g is None else g.clone() for g in graphs.static_grads[:inputs])
+        return (None, *to_inputs, *map(_into_bucket, graphs.params, graphs.static_grads[inputs:]))
 
 
 def noting_bucket_views(hook: Callable) -> Callable:
@@ -257,7 +321,7 @@ class CUDAGraphed(nn.Module):
         if calls <= self.warmup:
             with _uncached_autocast():  # as the capture will run it: compiled code guards on the cast cache
                 return self.module(*args, **kwargs)
-        if graphs is None and len(self._graphs) >= self.max_signatures:  # each capture holds its own memory
+        if graphs is None and len(self._graphs) >= self.max_signatures:  # each capture holds its activations
             if not self._warned:
                 self._warned = True
                 warnings.warn(
@@ -268,7 +332,7 @@ class CUDAGraphed(nn.Module):
                 )
             return self.module(*args, **kwargs)
         try:
-            self._graphs[key] = graphs = _Graphs(self.module, flat, spec)
+            self._graphs[key] = graphs = _Graphs(self.module, flat, spec, _Pool.for_capture())
         except Exception as error:  # noqa: BLE001 - whatever stops a capture, the module still runs, eagerly
             self._capture_failed(error)
             return self.module(*args, **kwargs)

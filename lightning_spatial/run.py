@@ -2,7 +2,8 @@
 
 A ``Run`` holds what handlers and halos read besides their arguments: what an op without a handler does
 (``fallback``), module paths for messages, the data axis that BatchNorm statistics also span (SyncBatchNorm), where
-DDP keeps the gradients that a replayed backward writes into, halo byte counters, the planner's probe switch, and
+DDP keeps the gradients that a replayed backward writes into, the memory pool CUDA graph captures share, halo byte
+counters, the planner's probe switch, and
 the rows each boolean mask or index tensor selects (``x[mask]`` and ``y[mask]`` share them: counting them
 communicates).
 ``SpatialParallelStrategy`` creates one at ``setup`` and enters it until ``teardown``; code outside any strategy
@@ -39,6 +40,8 @@ class Run:
     warned: set[tuple[str, str]] = field(default_factory=set)  # (op, module) fallbacks announced in "warn" mode
     # a mask or index tensor -> the rows it selects, by kind (ops.selection)
     index_rows: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    # CUDA device index -> the memory pool that CUDA graph captures share until a backward replays (graphs._Pool)
+    graph_pools: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_fallback_mode(self.fallback)

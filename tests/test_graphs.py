@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_spatial import halo, run
-from lightning_spatial.graphs import CUDAGraphed, _Replay, noting_bucket_views
+from lightning_spatial.graphs import CUDAGraphed, _Pool, _Replay, noting_bucket_views
 from lightning_spatial.primitives import Axis, DimShard, Layout
 from lightning_spatial.tensor import SpatialTensor, wrap
 from tests.spmd import run_spmd
@@ -154,6 +154,57 @@ def test_parameters_moved_elsewhere_are_captured_again(deterministic):
     assert len(graphed._graphs) == 1
 
 
+def blocks(seed: int) -> torch.nn.ModuleList:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(3)
+    ).cuda()
+
+
+@gpu
+def test_modules_captured_in_one_step_share_a_pool_and_replay_as_eager(deterministic):
+    """Three wrapped blocks in a row, captured in the same step, share one memory pool; each block's temporaries may
+    then sit where another's outputs, saved activations and gradients were, so the outputs a caller still holds after
+    the backward, the weights and the input's gradient must all equal eager's."""
+    eager = blocks(5)
+    graphed = torch.nn.ModuleList(CUDAGraphed(b, warmup=1) for b in blocks(5))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for _ in range(5):
+        x = torch.randn(32, 64, device="cuda", generator=g)
+        target = torch.randn(32, 64, device="cuda", generator=g)
+        results = []
+        for model, opt in zip((eager, graphed), opts):
+            h, outs = x.clone().requires_grad_(True), []
+            inp = h
+            for block in model:
+                h = block(h)
+                outs.append(h)
+            ((h - target).square().mean() + sum(o.sum() for o in outs[:-1]) * 1e-3).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            results.append([o.detach() for o in outs] + [inp.grad])  # read after the backward
+        for a, b in zip(*results):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_close_weights(eager, graphed, 1e-5)
+    pools = {id(graphs.pool) for block in graphed for graphs in block._graphs.values()}
+    assert len(pools) == 1 and all(block.captured for block in graphed)
+
+
+@gpu
+def test_replaying_out_of_capture_order_raises_before_wrong_gradients(deterministic):
+    """Two blocks captured as A then B share a pool; a step that runs B's forward before A's replays A between B's
+    forward and backward, over memory where B's saved activations may be: the backward raises, naming the fix."""
+    a, b = (CUDAGraphed(block, warmup=1) for block in list(blocks(7))[:2])
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    for _ in range(2):
+        b(a(x)).sum().backward()
+    assert a.captured and b.captured
+    loss = (b(x) + a(x)).sum()
+    with pytest.raises(RuntimeError, match="order of the step they were captured in"):
+        loss.backward()
+
+
 class Scaled(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -274,7 +325,9 @@ class _EagerGraphs:
     """What ``_Replay`` reads of a capture, filled by eager calls instead of graphs (CPU): its gradients are the
     capture's memory, as a replayed backward's are."""
 
-    def __init__(self, model: torch.nn.Module, x: torch.Tensor):
+    def __init__(self, model: torch.nn.Module, x: torch.Tensor, pool: _Pool | None = None):
+        self.pool = _Pool(handle=None) if pool is None else pool
+        self.index, self.name = self.pool.join(), type(model).__name__
         self.params = tuple(model.parameters())
         self.model, self.x = model, x
         self.out_needs_grad = [True]
@@ -344,3 +397,21 @@ def test_replayed_gradients_land_in_ddp_buckets_with_one_copy():
     memory into a new ``.grad``, then DDP's into its bucket, as before). Gradients equal, ``.grad`` in the bucket;
     with ``.grad`` set (accumulation) they add as usual."""
     run_spmd(_ddp_buckets_case, 1)  # a rank of its own: the parent never initialises a process group
+
+
+def test_the_pool_order_check_lets_nested_replays_pass_and_stops_the_rest():
+    """The order check of a shared pool, on CPU stand-ins of two captures (A, then B): forwards A, B and backwards
+    B, A (one step of the model) pass, step after step; B's forward before A's puts A's replays inside B's span,
+    and B's backward raises before it replays."""
+    torch.manual_seed(8)
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    x = torch.randn(2, 4)
+    pool = _Pool(handle=None)
+    a, b = (_Replayed(m, _EagerGraphs(m, x, pool)) for m in models)
+    for _ in range(2):
+        ya = a(x)
+        (ya.sum() + b(ya).sum()).backward()
+    yb = b(x)
+    loss = a(x).sum() + yb.sum()
+    with pytest.raises(RuntimeError, match=r"CUDAGraphed\(Linear\).*order of the step they were captured in"):
+        loss.backward()
