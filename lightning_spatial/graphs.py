@@ -60,8 +60,8 @@ class _Pool:
     """The memory pool that the captures of one step share (see the module docstring), and when each of its graphs
     last replayed: member ``i`` is the ``i``-th capture made into it."""
 
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle  # torch.cuda.graph_pool_handle()
+    def __init__(self, handle: Any, device: int | None = None) -> None:
+        self.handle, self.device = handle, device  # torch.cuda.graph_pool_handle(), the CUDA device index
         self.clock = 0
         self.last_replay: list[int] = []
 
@@ -70,15 +70,15 @@ class _Pool:
         """The current run's open pool on this device, or a new one."""
         pools, device = run.current().graph_pools, torch.cuda.current_device()
         if device not in pools:
-            pools[device] = _Pool(torch.cuda.graph_pool_handle())
+            pools[device] = _Pool(torch.cuda.graph_pool_handle(), device)
         return pools[device]
 
     def close(self) -> None:
         """Captures after a replayed backward start a pool of their own: a step's order holds only for the graphs
         captured in that step."""
         pools = run.current().graph_pools
-        for device in [d for d, pool in pools.items() if pool is self]:
-            del pools[device]
+        if pools.get(self.device) is self:
+            del pools[self.device]
 
     def join(self) -> int:
         self.last_replay.append(0)
