@@ -399,10 +399,7 @@ def test_replayed_gradients_land_in_ddp_buckets_with_one_copy():
     run_spmd(_ddp_buckets_case, 1)  # a rank of its own: the parent never initialises a process group
 
 
-def test_the_pool_order_check_lets_nested_replays_pass_and_stops_the_rest():
-    """The order check of a shared pool, on CPU stand-ins of two captures (A, then B): forwards A, B and backwards
-    B, A (one step of the model) pass, step after step; B's forward before A's puts A's replays inside B's span,
-    and B's backward raises before it replays."""
+def _pool_order_case():
     torch.manual_seed(8)
     models = [torch.nn.Linear(4, 4) for _ in range(2)]
     x = torch.randn(2, 4)
@@ -415,3 +412,10 @@ def test_the_pool_order_check_lets_nested_replays_pass_and_stops_the_rest():
     loss = a(x).sum() + yb.sum()
     with pytest.raises(RuntimeError, match=r"CUDAGraphed\(Linear\).*order of the step they were captured in"):
         loss.backward()
+
+
+def test_the_pool_order_check_lets_nested_replays_pass_and_stops_the_rest():
+    """The order check of a shared pool, on CPU stand-ins of two captures (A, then B): forwards A, B and backwards
+    B, A (one step of the model) pass, step after step; B's forward before A's puts A's replays inside B's span,
+    and B's backward raises before it replays."""
+    run_spmd(_pool_order_case, 1)  # a rank of its own: a backward here after a compiled one breaks later forks
