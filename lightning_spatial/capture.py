@@ -1,12 +1,13 @@
 """Which submodules replay as CUDA graphs when nobody names them: ``SpatialParallelStrategy(cuda_graphs="auto")``.
 
 On CUDA, the strategy runs the first training step eagerly while ``Watch`` notes, for every submodule of the
-LightningModule, how often it ran and whether its inputs held an activation sharded along image height or width (a
-``SpatialTensor`` with a spatial shard, not tokens), or a BEV grid that ends sharded (``bev_shard``). ``choose``
-then takes the largest such submodules that hold trainable weights and ran once in the step: the image encoders of
-camera models (backbone and neck), where the sharded work is, and with ``bev_shard`` their BEV encoders. Heads
-over tokens or replicated values, matching and losses stay eager, as does a module run twice a step (a capture
-replays one call: its outputs live in the graph's memory, which a second call would overwrite).
+LightningModule, how often it ran and whether its inputs held a sharded activation: a ``SpatialTensor`` sharded
+along image height or width, camera tokens flattened from one, or a BEV grid that ends sharded (``bev_shard``).
+``choose`` then takes the largest such submodules that hold trainable weights and ran once in the step: the image
+encoders of camera models (backbone and neck), where the sharded work is, the decoder layers that attend to the
+sharded camera tokens (PETR's), and with ``bev_shard`` the BEV encoders. Heads over replicated queries, matching and
+losses stay eager, as does a module run twice a step (a capture replays one call: its outputs live in the graph's
+memory, which a second call would overwrite).
 Each chosen module is wrapped in ``CUDAGraphed``, which captures it after its own warm-up calls and runs eagerly
 whatever it cannot capture; the run logs once what was captured and why the rest was not.
 """
@@ -25,19 +26,19 @@ from .tensor import SpatialTensor, _Plain
 
 @dataclass
 class Seen:
-    """What one training step showed of a module: its calls, and whether an input was an image-sharded activation."""
+    """What one training step showed of a module: its calls, and whether an input was a sharded activation."""
 
     calls: int = 0
     sharded: bool = False
 
 
-def image_sharded(value: object) -> bool:
-    """A ``SpatialTensor`` sharded along a spatial dim (not a token dim merged from one), or a splat's sums that its
+def sharded(value: object) -> bool:
+    """A ``SpatialTensor`` sharded along a spatial dim or a token dim merged from one, or a splat's sums that its
     first reader reduce-scatters over a BEV plane (``bev_shard``: a BEV encoder's input)."""
     if isinstance(value, PendingSum):
         with _Plain():
             return bool(plane_dims(value))
-    return isinstance(value, SpatialTensor) and any(not s.merged for s in value.shard_layout.shards)
+    return isinstance(value, SpatialTensor) and bool(value.shard_layout.shards)
 
 
 class Watch:
@@ -62,7 +63,7 @@ class Watch:
     def _note(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         seen = self.seen.setdefault(module, Seen())
         seen.calls += 1
-        seen.sharded = seen.sharded or any(image_sharded(v) for v in tree_leaves((args, kwargs)))
+        seen.sharded = seen.sharded or any(sharded(v) for v in tree_leaves((args, kwargs)))
 
 
 def choose(root: nn.Module, seen: dict[nn.Module, Seen]) -> tuple[list[str], dict[str, str]]:
@@ -94,7 +95,7 @@ def _why_not(module: nn.Module, seen: dict[nn.Module, Seen]) -> str:
     if not any(p.requires_grad for p in module.parameters()):
         return "no trainable weights"
     if not s.sharded:
-        return "its inputs are tokens or replicated values, not image-sharded activations"
+        return "its inputs are replicated values, not sharded activations"
     return f"run {s.calls} times a step (a capture replays one call)"
 
 
@@ -108,4 +109,4 @@ def describe(chosen: list[str], left: dict[str, str]) -> str:
     )
 
 
-__all__ = ["Seen", "Watch", "choose", "describe", "image_sharded"]
+__all__ = ["Seen", "Watch", "choose", "describe", "sharded"]

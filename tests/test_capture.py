@@ -19,8 +19,8 @@ from tests.spmd import axes, run_spmd
 
 
 class Camera(nn.Module):
-    """The shape of a camera detector: an image encoder, a layer run twice, layers over tokens called one by one from
-    a ``ModuleList``, a head over tokens, an unused branch."""
+    """The shape of a camera detector: an image encoder, a layer run twice, layers over its tokens called one by one
+    from a ``ModuleList``, a head over their (replicated) mean, an unused branch."""
 
     def __init__(self):
         super().__init__()
@@ -36,7 +36,7 @@ class Camera(nn.Module):
         tokens = features.flatten(2).transpose(1, 2)
         for layer in self.layers:
             tokens = layer(tokens)
-        return self.head(tokens)
+        return self.head(tokens.mean(1))
 
 
 def _choice_case(layout):
@@ -44,13 +44,12 @@ def _choice_case(layout):
     with Watch(model) as watch:
         model(lightning_spatial.shard(torch.randn(2, 3, 8, 12), axes(layout))).sum().backward()
     chosen, left = choose(model, watch.seen)
-    assert chosen == ["encoder"], chosen  # the largest: not its convolutions one by one
+    # the largest: not the encoder's convolutions one by one; the layers over sharded tokens one by one
+    assert chosen == ["encoder", "layers.0", "layers.1"], chosen
     assert left == {
         "twice": "run 2 times a step (a capture replays one call)",
         "gate": "no trainable weights",
-        "layers": "a container whose modules run one by one: its inputs are tokens or replicated values, not "
-        "image-sharded activations",
-        "head": "its inputs are tokens or replicated values, not image-sharded activations",
+        "head": "its inputs are replicated values, not sharded activations",
         "unused": "not run in a training step",
     }, left
     assert not any(m._forward_pre_hooks for m in model.modules())  # the watch leaves nothing behind
@@ -59,7 +58,7 @@ def _choice_case(layout):
 
 
 @pytest.mark.parametrize("layout", ["w2", "2x2"])
-def test_the_watched_step_picks_the_largest_modules_run_once_on_image_shards(layout):
+def test_the_watched_step_picks_the_largest_modules_run_once_on_shards(layout):
     run_spmd(_choice_case, 2 if layout == "w2" else 4, layout)
 
 
@@ -83,7 +82,7 @@ def _bev_choice_case(layout, bev_shard):
     chosen, left = choose(model, watch.seen)
     if bev_shard is None:  # the grid is summed over the ranks and replicated: nothing sharded to replay
         assert chosen == ["encoder"], chosen
-        assert left == {"bev_encoder": "its inputs are tokens or replicated values, not image-sharded activations"}
+        assert left == {"bev_encoder": "its inputs are replicated values, not sharded activations"}
     else:  # its input is the splat's sums, which its first op reduce-scatters over the BEV plane
         assert chosen == ["encoder", "bev_encoder"], (chosen, left)
 
@@ -113,13 +112,16 @@ def _detector_capture_case(name):
         with HostRoundTrips({c: model.get_submodule(c) for c in chosen}) as host:
             step()
     assert "encoder" in chosen, chosen
+    if name in ("petr", "bevformer"):  # the decoder layers attend to sharded camera tokens or a sharded BEV
+        assert {"layers.0", "layers.1"} <= set(chosen), chosen
     assert host.made == set(), f"{name}: (module, op) {sorted(host.made)} need the host"
 
 
 @pytest.mark.parametrize("name", list(DETECTORS))
 def test_the_modules_chosen_in_a_bev_detector_need_no_host(name):
-    """What the default replays in each BEV detector (the BEV side with ``bev_shard``) can be captured: no copy
-    between host and device inside (BEVFormer's layers once divided by ``new_tensor`` sizes, and ran eagerly)."""
+    """What the default replays in each BEV detector (the BEV side with ``bev_shard``, the decoder layers) can be
+    captured: no copy between host and device inside (BEVFormer's layers once divided by ``new_tensor`` sizes, and
+    ran eagerly)."""
     run_spmd(_detector_capture_case, 2, name, timeout=300)
 
 

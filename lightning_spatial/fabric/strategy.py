@@ -68,8 +68,9 @@ class SpatialParallelStrategy(DDPStrategy):
             BEV encoder and head after the splat run on 1/S of the grid (``ops.pending``). No change to the model.
         cuda_graphs: which submodules' training forward and backward replay as CUDA graphs after two eager calls.
             ``"auto"`` (default): on CUDA, the largest submodules that ran once in the first training forward on
-            image-sharded activations, chosen at the first ``fabric.backward`` and logged; ``False``: none; a list
-            of names (``["backbone"]``, as ``get_submodule`` names them). Eager off CUDA and without autograd.
+            sharded activations (image maps, their camera tokens), chosen at the first ``fabric.backward`` and
+            logged; ``False``: none; a list of names (``["backbone"]``, as ``get_submodule`` names them). Eager
+            off CUDA and without autograd.
         sync_batchnorm: BatchNorm statistics over the data replicas too, as ``Trainer(sync_batchnorm=True)``
             (Fabric has no such flag): within a spatial group they always span the whole image.
         ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: a DDP communication hook (e.g. fp16 compression); it

@@ -97,11 +97,12 @@ class SpatialParallelStrategy(DDPStrategy):
             BEV encoder and head after the splat run on 1/S of the grid (``ops.pending``). No change to the model.
         cuda_graphs: which submodules' training forward and backward replay as CUDA graphs after two eager calls
             (``graphs.CUDAGraphed``): no per-op Python in the step. ``"auto"`` (default): on CUDA, the largest
-            submodules that run once a training step on image-sharded activations, found in the first step
-            (``capture``; the image encoders of camera models) and logged with the reasons for the rest; ``False``
-            (or ``[]``): none; a list of names (``["backbone"]``, as ``get_submodule`` names them). Eager off CUDA,
-            in validation and wherever a capture fails (with a warning); each new input shape is captured after its
-            own two calls (up to 4). Checkpoints keep the module's own names.
+            submodules that run once a training step on sharded activations, found in the first step
+            (``capture``; the image encoders of camera models, decoder layers over their camera tokens) and logged
+            with the reasons for the rest; ``False`` (or ``[]``): none; a list of names (``["backbone"]``, as
+            ``get_submodule`` names them). Eager off CUDA, in validation and wherever a capture fails (with a
+            warning); each new input shape is captured after its own two calls (up to 4). Checkpoints keep the
+            module's own names.
         ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper: as for ``DDPStrategy`` (e.g. fp16 compression),
             registered on CPU and GPU; the hook averages over the world, and its result is scaled to the
             data-parallel mean (see the module docstring).
