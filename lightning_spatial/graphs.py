@@ -26,7 +26,8 @@ step, instead of every capture reserving its own. What lives from one graph's re
 its outputs, the gradients it returns, and the activations its forward saves for its backward (the capture keeps
 the forward's autograd graph). That is safe while the graphs replay in their capture order, each forward and
 backward span nested inside the earlier graphs' (the order of one step of a model); a backward whose forward's
-saved activations an earlier graph may have overwritten since raises an error instead of computing gradients.
+saved activations an earlier graph may have overwritten since raises an error instead of computing gradients. A
+module with compiled code keeps a pool of its own: its compiled backward reuses the memory of the activations it saved.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -60,14 +62,19 @@ class _Pool:
     """The memory pool that the captures of one step share (see the module docstring), and when each of its graphs
     last replayed: member ``i`` is the ``i``-th capture made into it."""
 
-    def __init__(self, handle: Any, device: int | None = None) -> None:
+    def __init__(self, handle: Any, device: int | None = None, shared: bool = True) -> None:
         self.handle, self.device = handle, device  # torch.cuda.graph_pool_handle(), the CUDA device index
+        self.shared = shared  # False: one capture's own pool, nothing else allocates in it
         self.clock = 0
         self.last_replay: list[int] = []
 
     @staticmethod
-    def for_capture() -> _Pool:
-        """The current run's open pool on this device, or a new one."""
+    def for_capture(module: nn.Module) -> _Pool:
+        """The current run's open pool on this device, or a new one; a pool of its own for a module with compiled
+        code: a compiled backward reuses ("donates") the memory of the activations its forward saved, so it cannot
+        keep them allocated (a retained autograd graph) for a shared pool's sake."""
+        if any(isinstance(m, OptimizedModule) or m._compiled_call_impl is not None for m in module.modules()):
+            return _Pool(torch.cuda.graph_pool_handle(), shared=False)
         pools, device = run.current().graph_pools, torch.cuda.current_device()
         if device not in pools:
             pools[device] = _Pool(torch.cuda.graph_pool_handle(), device)
@@ -150,11 +157,13 @@ class _Graphs:
         differentiable = [o for o in local_outs if o.requires_grad]
         self.static_grad_out = [torch.empty_like(o) for o in differentiable]
         with torch.cuda.graph(self.backward_graph, pool=pool.handle, capture_error_mode="thread_local"):
-            grads = torch.autograd.grad(differentiable, wrt, self.static_grad_out, allow_unused=True, retain_graph=True)
+            grads = torch.autograd.grad(
+                differentiable, wrt, self.static_grad_out, allow_unused=True, retain_graph=pool.shared
+            )
         self.static_grads = list(grads)
-        # the forward's autograd graph, kept: the activations it saved stay allocated, so no later capture in the
-        # shared pool puts its own memory where this backward reads them
-        self.saved_by_forward = differentiable
+        # in a shared pool, the forward's autograd graph is kept: the activations it saved stay allocated, so no
+        # later capture puts its own memory where this backward reads them
+        self.saved_by_forward = differentiable if pool.shared else None
         self.pool, self.index = pool, pool.join()
         del out, flat_out, outs, local_outs, grads
 
@@ -332,7 +341,7 @@ class CUDAGraphed(nn.Module):
                 )
             return self.module(*args, **kwargs)
         try:
-            self._graphs[key] = graphs = _Graphs(self.module, flat, spec, _Pool.for_capture())
+            self._graphs[key] = graphs = _Graphs(self.module, flat, spec, _Pool.for_capture(self.module))
         except Exception as error:  # noqa: BLE001 - whatever stops a capture, the module still runs, eagerly
             self._capture_failed(error)
             return self.module(*args, **kwargs)
