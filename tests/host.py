@@ -35,18 +35,19 @@ def _needs_host(func, args) -> bool:
 
 
 class HostRoundTrips(TorchDispatchMode):
-    """Notes each op that needs the host as (where, op): where is the innermost of ``modules`` running (by name; ops
-    outside them are not noted), or without ``modules`` the stack, as ``file stem.function`` names
-    (``query_head.match``), and the innermost of them outside torch: (where, op, that function)."""
+    """Notes each op that needs the host as (where, op, culprit). With ``modules`` (by name), only ops inside them:
+    where is ``(the innermost running module,)`` and the culprit that module. Without, every op: where is the stack
+    as ``file stem.function`` names (``query_head.match``), the culprit its innermost function outside torch."""
 
     def __init__(self, modules: dict[str, nn.Module] | None = None):
         super().__init__()
         self.modules = modules
         self.running: list[str] = []
         self.made: set[tuple] = set()
+        self._hooks = []
         for name, module in (modules or {}).items():
-            module.register_forward_pre_hook(lambda *_, name=name: self._enter(name))
-            module.register_forward_hook(lambda *_: self._leave())
+            self._hooks.append(module.register_forward_pre_hook(lambda *_, name=name: self._enter(name)))
+            self._hooks.append(module.register_forward_hook(lambda *_: self._leave()))
 
     def _enter(self, name: str) -> None:
         self.running.append(name)
@@ -54,15 +55,21 @@ class HostRoundTrips(TorchDispatchMode):
     def _leave(self) -> None:  # a forward hook returning something would replace the module's output
         self.running.pop()
 
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _needs_host(func, args):
+            op = func.overloadpacket.__name__
             if self.modules is None:
                 stack = traceback.extract_stack()[:-1]
                 where = tuple(f"{Path(f.filename).stem}.{f.name}" for f in stack)
                 ours = [w for w, f in zip(where, stack) if f"{os.sep}torch{os.sep}" not in f.filename]
-                self.made.add((where, func.overloadpacket.__name__, ours[-1] if ours else where[-1]))
+                self.made.add((where, op, ours[-1] if ours else where[-1]))
             elif self.running:
-                self.made.add((self.running[-1], func.overloadpacket.__name__))
+                self.made.add(((self.running[-1],), op, self.running[-1]))
         return func(*args, **(kwargs or {}))
 
 
