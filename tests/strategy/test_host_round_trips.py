@@ -52,7 +52,7 @@ def test_a_training_step_through_the_trainer_never_waits_for_the_device(make):
     L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=SpatialParallelStrategy(2, start_method="fork", bev_shard="x"),
+        strategy=SpatialParallelStrategy(2, start_method="fork", bev_shard="x", fallback="error"),
         max_steps=3,
         logger=False,
         enable_checkpointing=False,
