@@ -158,10 +158,9 @@ def test_hungarian_matching_finds_the_permutation():
     codes[0, queries] = targets
     logits = torch.full((1, 8, 10), -5.0)
     logits[0, queries, labels] = 5.0
-    (batch, query, matched, matched_labels), again = head.match(
-        torch.stack([logits] * 2), torch.stack([codes] * 2), [targets], [labels]
-    )
-    assert all(torch.equal(a, b) for a, b in zip(again, (batch, query, matched, matched_labels)))  # per layer
+    layers = head.match(torch.stack([logits] * 2), torch.stack([codes] * 2), [targets], [labels])
+    assert all(torch.equal(both[0], both[1]) for both in layers)  # (L, P): the same pairs in both layers
+    batch, query, matched, matched_labels = (both[0] for both in layers)
     assert batch.tolist() == [0] * 4
     for q, code, label in zip(query, matched, matched_labels):
         j = queries.tolist().index(q)
@@ -176,15 +175,54 @@ def test_matching_all_layers_and_samples_at_once_equals_matching_each_alone():
     targets = [box_code.encode(random_boxes(n, g)) for n in counts]
     labels = [torch.randint(0, 10, (n,), generator=g) for n in counts]
     logits, codes = torch.randn(2, 3, 12, 10, generator=g), torch.randn(2, 3, 12, 10, generator=g) * 20
-    layers = head.match(logits, codes, targets, labels)
-    for k, (batch, query, matched, matched_labels) in enumerate(layers):
+    for k, (batch, query, matched, matched_labels) in enumerate(zip(*head.match(logits, codes, targets, labels))):
         for i in range(3):
-            ((_, alone, alone_codes, alone_labels),) = head.match(
-                logits[k : k + 1, i : i + 1], codes[k : k + 1, i : i + 1], targets[i : i + 1], labels[i : i + 1]
+            _, alone, alone_codes, alone_labels = (
+                both[0]  # one layer
+                for both in head.match(
+                    logits[k : k + 1, i : i + 1], codes[k : k + 1, i : i + 1], targets[i : i + 1], labels[i : i + 1]
+                )
             )
             mine = batch == i
             assert torch.equal(query[mine], alone) and torch.equal(matched[mine], alone_codes)
             assert torch.equal(matched_labels[mine], alone_labels) and len(alone) == counts[i]
+
+
+def test_the_set_loss_of_all_layers_at_once_equals_each_layers_detr_terms():
+    """The loss computes every decoder layer's terms in one go; written here per layer and sample as DETR states
+    them (torchvision's focal loss against the matched one-hot classes, weighted L1 on the matched codes, each
+    over the batch's box count), an empty scene and a sample with more boxes than queries among them."""
+    head, g = QueryHead(16, 10, RANGE), torch.Generator().manual_seed(6)
+    boxes = [random_boxes(n, g) for n in (3, 0, 7)]
+    labels = [torch.randint(0, 10, (len(b),), generator=g) for b in boxes]
+    logits = torch.randn(3, 3, 6, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    codes = (torch.randn(3, 3, 6, 10, generator=g, dtype=torch.float64) * 20).requires_grad_()
+    losses = head.loss({"logits": logits, "codes": codes}, boxes, labels)
+    targets, weights = [box_code.encode(b.float()) for b in boxes], torch.tensor(box_code.CODE_WEIGHTS, dtype=torch.float64)
+    terms = []
+    for k in range(3):
+        classes, box = torch.zeros(3, 6, 10, dtype=torch.float64), 0
+        for i in range(3):
+            ((_, query, matched, matched_labels),) = (
+                (
+                    t[0]
+                    for t in head.match(
+                        logits[k : k + 1, i : i + 1], codes[k : k + 1, i : i + 1], targets[i : i + 1], labels[i : i + 1]
+                    )
+                ),
+            )
+            assert len(query) == min(6, len(boxes[i]))
+            classes[i, query, matched_labels] = 1
+            box = box + ((codes[k, i, query] - matched).abs() * weights).sum()
+        cls = torchvision.ops.sigmoid_focal_loss(logits[k], classes, reduction="sum")
+        terms.append((head.cls_weight * cls / 10, head.box_weight * box / 10))  # 10 boxes in the batch
+    expected = sum(c + b for c, b in terms)
+    torch.testing.assert_close(losses["loss"], expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(losses["loss_cls"], terms[-1][0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(losses["loss_box"], terms[-1][1], rtol=1e-12, atol=0)
+    grads = torch.autograd.grad(losses["loss"], [logits, codes])
+    for grad, want in zip(grads, torch.autograd.grad(expected, [logits, codes])):
+        torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-15)
 
 
 def test_diverged_predictions_fail_the_matching_with_a_way_out():

@@ -12,15 +12,17 @@ def sigmoid_focal_loss(
     alpha: float = 0.25,
     gamma: float = 2.0,
     weight: torch.Tensor | None = None,
+    dim: tuple[int, ...] | None = None,
 ):
-    """RetinaNet's focal loss with 0/1 targets, summed over all elements, each times ``weight`` (broadcast; a
-    0/1 mask selects elements without boolean indexing, which would wait for the GPU)."""
+    """RetinaNet's focal loss with 0/1 targets, summed over all elements (or over ``dim``: one sum per decoder
+    layer), each times ``weight`` (broadcast; a 0/1 mask selects elements without boolean indexing, which would
+    wait for the GPU)."""
     p = logits.sigmoid()
     ce = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
     p_t = p * targets + (1 - p) * (1 - targets)
     alpha_t = alpha * targets + (1 - alpha) * (1 - targets)
     loss = alpha_t * ce * (1 - p_t) ** gamma
-    return (loss if weight is None else loss * weight).sum()
+    return _sum(loss if weight is None else loss * weight, dim)
 
 
 def gaussian_focal_loss(logits: torch.Tensor, heatmap: torch.Tensor, alpha: float = 2.0, gamma: float = 4.0):
@@ -33,8 +35,14 @@ def gaussian_focal_loss(logits: torch.Tensor, heatmap: torch.Tensor, alpha: floa
     return (pos + neg).sum()
 
 
-def l1_known(prediction: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """L1 loss times ``weight`` (broadcast), summed over the elements whose target is known: a NaN target (a
-    velocity the data does not know) adds nothing, not even to the gradient."""
+def l1_known(
+    prediction: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, dim: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """L1 loss times ``weight`` (broadcast), summed over the elements whose target is known (or over ``dim``): a
+    NaN target (a velocity the data does not know) adds nothing, not even to the gradient."""
     known = ~target.isnan()
-    return ((prediction - target.nan_to_num()).abs() * weight * known).sum()
+    return _sum((prediction - target.nan_to_num()).abs() * weight * known, dim)
+
+
+def _sum(loss: torch.Tensor, dim: tuple[int, ...] | None) -> torch.Tensor:
+    return loss.sum() if dim is None else loss.sum(dim)

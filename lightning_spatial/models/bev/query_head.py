@@ -66,27 +66,27 @@ class QueryHead(nn.Module):
 
     @torch.no_grad()
     def _cost(self, logits, codes, targets, labels, alpha: float = 0.25, gamma: float = 2.0):
-        """(Q, m) focal classification cost + L1 cost on the codes without velocity (as PETR)."""
+        """(L, Q, m) focal classification cost + L1 cost on the codes without velocity (as PETR), every decoder
+        layer of one sample at once."""
         p = logits.sigmoid()
         positive = -(p + 1e-8).log() * alpha * (1 - p) ** gamma
         negative = -(1 - p + 1e-8).log() * (1 - alpha) * p**gamma
-        l1 = torch.cdist(codes[:, :8], targets[:, :8], p=1)
-        return self.cls_weight * (positive - negative)[:, labels] + self.box_weight * l1
+        l1 = torch.cdist(codes[..., :8], targets[None, :, :8], p=1)
+        return self.cls_weight * (positive - negative)[..., labels] + self.box_weight * l1
 
-    def match(self, logits, codes, targets, labels) -> list[list[torch.Tensor]]:
+    def match(self, logits, codes, targets, labels) -> tuple[torch.Tensor, ...]:
         """Hungarian matching of every decoder layer and sample on the detached cost, with one device-to-host
         copy of all costs and one copy of all matches back (a copy per layer and sample waited for the GPU each
-        time): logits (L, B, Q, K), codes (L, B, Q, 10) -> per layer the batch index, query index, target code
-        and target label of every matched pair."""
+        time): logits (L, B, Q, K), codes (L, B, Q, 10) -> the batch index, query index, target code and target
+        label of every matched pair, (L, P) each (codes (L, P, 10)): every layer matches min(Q, m) pairs of a
+        sample of m boxes, so P is the same for all layers and one op computes a term for all of them."""
         layers, batch = logits.shape[:2]
-        costs = [
-            self._cost(logits[k, i].float(), codes[k, i].float(), targets[i], labels[i])
-            for k in range(layers)
-            for i in range(batch)
-        ]
+        costs = [self._cost(logits[:, i].float(), codes[:, i].float(), targets[i], labels[i]) for i in range(batch)]
         host = torch.cat([c.flatten() for c in costs]).cpu().numpy()
+        ends = np.cumsum([c.numel() for c in costs])
+        per_sample = [c.reshape(cost.shape) for c, cost in zip(np.split(host, ends[:-1]), costs)]
         if not np.isfinite(host).all():  # the matching syncs anyway: the check costs no extra wait
-            k, i = divmod(next(j for j, c in enumerate(costs) if not c.isfinite().all()), batch)
+            k, i = min((k, i) for i, c in enumerate(per_sample) for k in range(layers) if not np.isfinite(c[k]).all())
             bad = ~targets[i][:, :8].isfinite().all(-1)
             if bad.any():  # the data, not the training (the batch check on the host names it first)
                 raise ValueError(
@@ -100,35 +100,32 @@ class QueryHead(nn.Module):
                 "checkpoint with a lower learning rate (model.lr), a tighter trainer.gradient_clip_val, or "
                 "trainer.precision=32-true"
             )
-        ends = np.cumsum([c.numel() for c in costs])
-        pairs = [linear_sum_assignment(c.reshape(cost.shape)) for c, cost in zip(np.split(host, ends[:-1]), costs)]
-        counts = [len(query) for query, _ in pairs]
-        on_device = torch.as_tensor(np.concatenate([np.concatenate(p) for p in pairs]), device=logits.device)
-        found = [[] for _ in range(layers)]
-        for j, (both, n) in enumerate(zip(on_device.split([2 * n for n in counts]), counts)):
-            (k, i), (query, gt) = divmod(j, batch), both.split([n, n])
-            found[k].append((torch.full_like(query, i), query, targets[i][gt], labels[i][gt]))
-        return [[torch.cat(column) for column in zip(*layer)] for layer in found]
+        first = np.cumsum([0, *(len(lab) for lab in labels)])  # each sample's first row in the batch's targets
+        pairs = [[linear_sum_assignment(cost[k]) for cost in per_sample] for k in range(layers)]
+        index = np.stack(
+            [
+                np.concatenate([[np.full_like(q, i), q, t + first[i]] for i, (q, t) in enumerate(layer)], 1)
+                for layer in pairs
+            ]
+        )  # (L, 3, P): batch index, query, row in the batch's targets
+        batch_index, query, row = torch.as_tensor(index, device=logits.device).unbind(1)
+        return batch_index, query, torch.cat(targets)[row], torch.cat(labels)[row]
 
     def loss(self, outputs, boxes, labels, normaliser=lambda count: count) -> dict[str, torch.Tensor]:
-        """Summed over decoder layers; each layer's terms are normalised by the batch's box count (``normaliser``
-        may average it over data replicas; at least 1). An empty scene trains the no-object class only: its box
-        term is a graph-connected zero."""
+        """Summed over decoder layers, all layers' terms computed at once; each layer's terms are normalised by
+        the batch's box count (``normaliser`` may average it over data replicas; at least 1). An empty scene trains
+        the no-object class only: its box term is a graph-connected zero."""
         targets = [box_code.encode(b.float()) for b in boxes]
-        like = outputs["logits"]
-        count = torch.full((), float(sum(len(lab) for lab in labels)), dtype=like.dtype, device=like.device)
+        logits, codes = outputs["logits"], outputs["codes"]
+        count = torch.full((), float(sum(len(lab) for lab in labels)), dtype=logits.dtype, device=logits.device)
         num_boxes = normaliser(count).clamp(min=1)
-        weights = box_code.code_weights(outputs["codes"])
-        terms = []
-        matches = self.match(outputs["logits"], outputs["codes"], targets, labels)
-        for logits, codes, (batch, query, matched_codes, matched_labels) in zip(
-            outputs["logits"], outputs["codes"], matches
-        ):
-            classes = torch.zeros_like(logits).index_put_((batch, query, matched_labels), logits.new_ones(()))
-            cls = self.cls_weight * sigmoid_focal_loss(logits, classes) / num_boxes
-            box = self.box_weight * l1_known(codes[batch, query], matched_codes, weights) / num_boxes
-            terms.append((cls, box))
-        losses = {"loss": sum(c + b for c, b in terms), "loss_cls": terms[-1][0], "loss_box": terms[-1][1]}
+        batch, query, matched_codes, matched_labels = self.match(logits, codes, targets, labels)
+        layer = torch.arange(len(logits), device=logits.device)[:, None]  # (L, 1): broadcast against (L, P)
+        classes = torch.zeros_like(logits).index_put_((layer, batch, query, matched_labels), logits.new_ones(()))
+        cls = self.cls_weight * sigmoid_focal_loss(logits, classes, dim=(1, 2, 3)) / num_boxes  # (L,)
+        weights = box_code.code_weights(codes)
+        box = self.box_weight * l1_known(codes[layer, batch, query], matched_codes, weights, dim=(1, 2)) / num_boxes
+        losses = {"loss": (cls + box).sum(), "loss_cls": cls[-1], "loss_box": box[-1]}
         if "denoise" in outputs:
             losses["loss_denoise"] = self.denoise_loss(*outputs["denoise"])
             losses["loss"] = losses["loss"] + losses["loss_denoise"]
@@ -142,12 +139,10 @@ class QueryHead(nn.Module):
         real = denoise.real[..., None].to(codes.dtype)  # masks multiply: boolean indexing would wait for the GPU
         target = box_code.encode(denoise.boxes.float())  # padding's zero sizes encode finite (clamped)
         weights = box_code.code_weights(codes) * real
-        total = 0
-        for layer_logits, layer_codes in zip(logits, codes):
-            cls = sigmoid_focal_loss(layer_logits, classes, weight=real) / positive.sum().clamp(min=1)
-            box = l1_known(layer_codes, target, weights) / denoise.real.sum().clamp(min=1)
-            total = total + self.cls_weight * cls + self.box_weight * box
-        return total
+        # every layer at once: logits (L, B, D, K) against targets (B, D, K) broadcast over the layers
+        cls = sigmoid_focal_loss(logits, classes.expand_as(logits), weight=real) / positive.sum().clamp(min=1)
+        box = l1_known(codes, target, weights) / denoise.real.sum().clamp(min=1)
+        return self.cls_weight * cls + self.box_weight * box
 
     @torch.no_grad()
     def decode(self, outputs) -> list[dict[str, torch.Tensor]]:
