@@ -167,6 +167,12 @@ def test_hungarian_matching_finds_the_permutation():
         assert torch.equal(code, targets[j]) and label == labels[j]
 
 
+def _match_alone(head, logits, codes, targets, labels, k: int, i: int) -> tuple[torch.Tensor, ...]:
+    """Layer ``k`` of sample ``i`` matched on its own: its batch index (0), query index, target code and label."""
+    one = head.match(logits[k : k + 1, i : i + 1], codes[k : k + 1, i : i + 1], targets[i : i + 1], labels[i : i + 1])
+    return tuple(t[0] for t in one)
+
+
 def test_matching_all_layers_and_samples_at_once_equals_matching_each_alone():
     """The matching copies every layer's and sample's cost in one go (one wait for the GPU): each pair's
     matches, an empty scene's none included, are the ones it gets matched alone."""
@@ -177,12 +183,7 @@ def test_matching_all_layers_and_samples_at_once_equals_matching_each_alone():
     logits, codes = torch.randn(2, 3, 12, 10, generator=g), torch.randn(2, 3, 12, 10, generator=g) * 20
     for k, (batch, query, matched, matched_labels) in enumerate(zip(*head.match(logits, codes, targets, labels))):
         for i in range(3):
-            _, alone, alone_codes, alone_labels = (
-                both[0]  # one layer
-                for both in head.match(
-                    logits[k : k + 1, i : i + 1], codes[k : k + 1, i : i + 1], targets[i : i + 1], labels[i : i + 1]
-                )
-            )
+            _, alone, alone_codes, alone_labels = _match_alone(head, logits, codes, targets, labels, k, i)
             mine = batch == i
             assert torch.equal(query[mine], alone) and torch.equal(matched[mine], alone_codes)
             assert torch.equal(matched_labels[mine], alone_labels) and len(alone) == counts[i]
@@ -198,19 +199,13 @@ def test_the_set_loss_of_all_layers_at_once_equals_each_layers_detr_terms():
     logits = torch.randn(3, 3, 6, 10, generator=g, dtype=torch.float64, requires_grad=True)
     codes = (torch.randn(3, 3, 6, 10, generator=g, dtype=torch.float64) * 20).requires_grad_()
     losses = head.loss({"logits": logits, "codes": codes}, boxes, labels)
-    targets, weights = [box_code.encode(b.float()) for b in boxes], torch.tensor(box_code.CODE_WEIGHTS, dtype=torch.float64)
+    targets = [box_code.encode(b.float()) for b in boxes]
+    weights = torch.tensor(box_code.CODE_WEIGHTS, dtype=torch.float64)
     terms = []
     for k in range(3):
         classes, box = torch.zeros(3, 6, 10, dtype=torch.float64), 0
         for i in range(3):
-            ((_, query, matched, matched_labels),) = (
-                (
-                    t[0]
-                    for t in head.match(
-                        logits[k : k + 1, i : i + 1], codes[k : k + 1, i : i + 1], targets[i : i + 1], labels[i : i + 1]
-                    )
-                ),
-            )
+            _, query, matched, matched_labels = _match_alone(head, logits, codes, targets, labels, k, i)
             assert len(query) == min(6, len(boxes[i]))
             classes[i, query, matched_labels] = 1
             box = box + ((codes[k, i, query] - matched).abs() * weights).sum()

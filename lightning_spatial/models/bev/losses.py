@@ -22,7 +22,7 @@ def sigmoid_focal_loss(
     p_t = p * targets + (1 - p) * (1 - targets)
     alpha_t = alpha * targets + (1 - alpha) * (1 - targets)
     loss = alpha_t * ce * (1 - p_t) ** gamma
-    return _sum(loss if weight is None else loss * weight, dim)
+    return (loss if weight is None else loss * weight).sum(dim)  # dim None: every element
 
 
 def gaussian_focal_loss(logits: torch.Tensor, heatmap: torch.Tensor, alpha: float = 2.0, gamma: float = 4.0):
@@ -41,8 +41,4 @@ def l1_known(
     """L1 loss times ``weight`` (broadcast), summed over the elements whose target is known (or over ``dim``): a
     NaN target (a velocity the data does not know) adds nothing, not even to the gradient."""
     known = ~target.isnan()
-    return _sum((prediction - target.nan_to_num()).abs() * weight * known, dim)
-
-
-def _sum(loss: torch.Tensor, dim: tuple[int, ...] | None) -> torch.Tensor:
-    return loss.sum() if dim is None else loss.sum(dim)
+    return ((prediction - target.nan_to_num()).abs() * weight * known).sum(dim)
