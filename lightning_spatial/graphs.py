@@ -228,7 +228,7 @@ class _Replay(torch.autograd.Function):
         graphs.backward_graph.replay()
         inputs = len(graphs.static_grads) - len(graphs.params)
         to_inputs = (None if g is None else g.clone() for g in graphs.static_grads[:inputs])
-        return (None, *to_inputs, *map(_into_bucket, graphs.params, graphs.static_grads[inputs:]))
+        return (None, *to_inputs, *_into_buckets(graphs.params, graphs.static_grads[inputs:]))
 
 
 def noting_bucket_views(hook: Callable) -> Callable:
@@ -251,17 +251,26 @@ def noting_bucket_views(hook: Callable) -> Callable:
     return noting_hook
 
 
-def _into_bucket(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
-    """``grad`` copied into ``param``'s bucket view, which autograd then adopts (a fresh alias, nobody else holds it),
-    or where there is none or ``.grad`` holds a gradient to add to (accumulation), ``grad`` itself (autograd copies
-    the graph's memory). DDP copies a gradient that is not in its bucket: a view of old buckets only costs a copy."""
-    view = run.current().bucket_views.get(param)
-    if grad is None or view is None or param.grad is not None:
-        return grad
-    if (view.shape, view.dtype, view.device) != (grad.shape, grad.dtype, grad.device):
-        return grad
-    view.copy_(grad)
-    return view.detach()
+def _into_buckets(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each gradient copied into its parameter's bucket view, which autograd then adopts (a fresh alias, nobody else
+    holds it), all in one ``foreach`` copy (a copy per parameter costs a launch each: hundreds a step); where there is
+    no view or ``.grad`` holds a gradient to add to (accumulation), the gradient itself (autograd copies the graph's
+    memory). DDP copies a gradient that is not in its bucket: a view of old buckets only costs a copy."""
+    views = run.current().bucket_views
+    out: list[torch.Tensor | None] = list(grads)
+    into, sources = [], []
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        view = views.get(param)
+        if grad is None or view is None or param.grad is not None:
+            continue
+        if (view.shape, view.dtype, view.device) != (grad.shape, grad.dtype, grad.device):
+            continue
+        into.append(view)
+        sources.append(grad)
+        out[i] = view.detach()
+    if into:
+        torch._foreach_copy_(into, sources)
+    return out
 
 
 class _uncached_autocast:
