@@ -133,6 +133,7 @@ class StepTimer(L.Callback):
     def __init__(self, warmup: int, profile_to: str | None = None, options: dict | None = None):
         self.warmup, self.times, self.profiler = warmup, [], None
         self.graphed: dict[str, bool] = {}  # at the last step (the strategy unwraps at its teardown)
+        self.graph_pools_gib = 0.0  # at the last step: what the graphs' private pools reserve
         self.profile_to, self.options = profile_to, options
 
     def _sync(self, trainer) -> None:
@@ -162,6 +163,9 @@ class StepTimer(L.Callback):
             self.profiler = None
         # the submodules the strategy wrapped: replaying (True) or eager (False: warming up, or a capture failed)
         self.graphed = {n: m.captured for n, m in pl_module.named_modules() if isinstance(m, CUDAGraphed)}
+        if batch_idx == trainer.max_steps - 1 and trainer.strategy.root_device.type == "cuda":
+            private = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+            self.graph_pools_gib = round(sum(s["total_size"] for s in private) / 2**30, 2)
 
 
 def strategy(args):
@@ -224,6 +228,7 @@ def measure(args, plugins: list) -> dict:
         "reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2) if cuda else float("nan"),
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # 0 when eager
         "cuda_graphed": timer.graphed,
+        "graph_pools_gib": timer.graph_pools_gib,  # of reserved_gib
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
     }
 
