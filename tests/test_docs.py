@@ -4,6 +4,7 @@ performance figure README quotes is the result row it cites."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import subprocess
@@ -166,6 +167,7 @@ DESCRIBED = {
     r"\(both sides\)": lambda row: {row.get("compile", "none"), row.get("graphs", "none")} <= {"both", "none"},
     r"\beager shard alone\b": lambda row: "both" not in (row.get("compile", "none"), row.get("graphs", "none")),
     r"\bNCCL\b": lambda row: row["backend"] == "nccl",
+    r"\bthrough the Trainer\b": lambda row: row.get("bench") == "trainer",
     # rows from before the ResNet BEV encoder have no "bev_encoder": the conv stack was the only one
     r"\bconv-stack BEV encoder\b": lambda row: row.get("bev_encoder", "convs") == "convs",
     r"\bResNet-\d+ BEV encoder\b": lambda row: row.get("bev_encoder", "convs").startswith("resnet"),
@@ -191,6 +193,32 @@ def _tables(text: str) -> list[list[list[str]]]:
     return tables
 
 
+def _trainer_row(row: dict) -> dict:
+    """A row of ``benchmarks/trainer_step.py`` in the terms of ``spatial_step.py``'s rows. Its memory columns are
+    the reserved peaks (what it compares: graph pools included), and its graphs are the strategy's default ones;
+    a BEV encoder it does not name is the model's default."""
+    from lightning_spatial.models.bev import LiftSplat, SimpleBEV
+
+    graphed = any(row["cuda_graphed"].values())
+    detector = {"lift_splat": LiftSplat, "simple_bev": SimpleBEV}.get(row["model"])
+    default = inspect.signature(detector).parameters["bev_encoder"].default if detector else None
+    return {
+        "bev_encoder": row.get("bev_encoder") or default,
+        "bench": "trainer",
+        "model": row["model"],
+        "precision": {"bf16-mixed": "bf16", "32-true": "fp32"}.get(row["precision"], row["precision"]),
+        "spatial": row["fake_world"] or row["world"],
+        "baseline": {"device": "one device", "shard": "shard"}[row["baseline"]],
+        "time_ratio": row["time_vs_baseline"],
+        "ours_gib": row["reserved_gib"],
+        "shard_gib": row["baseline_run"]["reserved_gib"],
+        "compile": row["compile"] or "none",
+        "graphs": "ours" if graphed else "none",
+        "ours_reserved_gib": row["reserved_gib"],
+        "shard_reserved_gib": row["baseline_run"]["reserved_gib"],
+    }
+
+
 def _cited(cell: str) -> list[dict]:
     """The result rows a cell links to: ``file.jsonl#L<line>`` or ``file.json#/rows/<index>`` (a JSON pointer)."""
     rows = []
@@ -199,7 +227,8 @@ def _cited(cell: str) -> list[dict]:
         assert file.exists() and RESULT_NAME.fullmatch(file.name), f"README cites {path}: missing or misnamed"
         if file.suffix == ".jsonl":
             line = int(re.fullmatch(r"L(\d+)", fragment)[1])
-            rows.append(json.loads(file.read_text().splitlines()[line - 1]))
+            row = json.loads(file.read_text().splitlines()[line - 1])
+            rows.append(_trainer_row(row) if "baseline_run" in row else row)
         else:
             node = json.loads(file.read_text())
             for key in fragment.strip("/").split("/"):
