@@ -137,6 +137,46 @@ def test_sharded_inputs_and_outputs_keep_their_layout_and_gradients(deterministi
         assert len(graphed._graphs) == 1
 
 
+class _ReadsInBackward(torch.autograd.Function):
+    """The identity, whose backward reads a value on the host: no capture holds it (an eager backward can)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * (grad.abs().max().item() > -1)
+
+
+class _Uncapturable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.drop, self.b = torch.nn.Linear(16, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.b(_ReadsInBackward.apply(self.drop(self.a(x))))
+
+
+@gpu
+def test_a_backward_that_cannot_be_captured_runs_eagerly_with_the_forwards_random_numbers():
+    """The backward is captured when the step first reaches it; where that fails, the step's gradients come from an
+    eager forward and backward with the random numbers the replayed forward drew (its dropout mask), the module runs
+    eagerly from then on with a warning, and training equals eager training."""
+    torch.manual_seed(3)
+    eager = _Uncapturable().cuda()
+    graphed = CUDAGraphed(copy.deepcopy(eager), warmup=1)
+    results = []
+    for model in (eager, graphed):
+        torch.manual_seed(11)
+        inputs = [torch.randn(8, 16, device="cuda") for _ in range(4)]
+        with pytest.warns(UserWarning, match="runs eagerly: its capture failed") if model is graphed else nullcontext():
+            results.append(train(model, inputs))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)
+    assert_close_weights(eager, graphed, 1e-6)
+    assert not graphed.captured
+
+
 @gpu
 def test_parameters_moved_elsewhere_are_captured_again(deterministic):
     """A graph reads the parameters' memory: after a reload that reallocates them, it must not replay stale
@@ -323,7 +363,7 @@ def test_a_compiled_caller_leaves_the_graphed_module_to_itself():
 
 class _EagerGraphs:
     """What ``_Replay`` reads of a capture, filled by eager calls instead of graphs (CPU): its gradients are the
-    capture's memory, as a replayed backward's are."""
+    capture's memory, as a replayed backward's are; its backward is "captured" at its first call, as a real one is."""
 
     def __init__(self, model: torch.nn.Module, x: torch.Tensor, pool: _Pool | None = None):
         self.pool = _Pool(handle=None) if pool is None else pool
@@ -335,7 +375,14 @@ class _EagerGraphs:
         self.static_grad_out = [torch.empty_like(self.static_out[0])]
         self.static_grads = [torch.empty_like(p) for p in self.params]
         self.forward_graph = SimpleNamespace(replay=lambda: None)  # the output is computed once, above
-        self.backward_graph = SimpleNamespace(replay=self.backward)
+        self.backward_graph = SimpleNamespace(replay=self.backward)  # not None: no random state to keep
+        self.captured_backward = False
+
+    def replay_backward(self) -> None:
+        if not self.captured_backward:
+            self.captured_backward = True
+            self.pool.captured(self.index, "backward")
+        self.backward()
 
     def backward(self) -> None:
         with torch.enable_grad():
@@ -412,6 +459,29 @@ def _pool_order_case():
     loss = a(x).sum() + yb.sum()
     with pytest.raises(RuntimeError, match=r"CUDAGraphed\(Linear\).*order of the step they were captured in"):
         loss.backward()
+
+
+def _pool_capture_order_case():
+    torch.manual_seed(9)
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    x = torch.randn(2, 4)
+    pool = _Pool(handle=None)
+    a, b = (_Replayed(m, _EagerGraphs(m, x, pool)) for m in models)
+    for _ in range(3):  # the first backwards are the captures: A's, then B's
+        ya, yb = a(x), b(x)
+        ya.sum().backward()
+        yb.sum().backward()
+    first, second = a(x), a(x)  # A's forward again: what the first one saved is overwritten
+    second.sum().backward()
+    with pytest.raises(RuntimeError, match=r"CUDAGraphed\(Linear\).*or this module's forward again"):
+        first.sum().backward()
+
+
+def test_the_pool_order_check_follows_the_order_the_backwards_were_captured_in():
+    """Backwards are captured when the step reaches them: captured as forwards A, B then backwards A, B (two
+    branches), the step replays in that order step after step (B's saved activations were held while A's backward
+    was captured); a module's forward replayed twice before its first backward raises there."""
+    run_spmd(_pool_capture_order_case, 1)
 
 
 def test_the_pool_order_check_lets_nested_replays_pass_and_stops_the_rest():
