@@ -446,12 +446,18 @@ def test_replayed_gradients_land_in_ddp_buckets_with_one_copy():
     run_spmd(_ddp_buckets_case, 1)  # a rank of its own: the parent never initialises a process group
 
 
-def _pool_order_case():
-    torch.manual_seed(8)
+def _two_in_a_pool(seed: int):
+    """Stand-ins of two captures A and B (in that order) of one pool, and their input."""
+    torch.manual_seed(seed)
     models = [torch.nn.Linear(4, 4) for _ in range(2)]
     x = torch.randn(2, 4)
     pool = _Pool(handle=None)
     a, b = (_Replayed(m, _EagerGraphs(m, x, pool)) for m in models)
+    return a, b, x
+
+
+def _pool_order_case():
+    a, b, x = _two_in_a_pool(8)
     for _ in range(2):
         ya = a(x)
         (ya.sum() + b(ya).sum()).backward()
@@ -462,11 +468,7 @@ def _pool_order_case():
 
 
 def _pool_capture_order_case():
-    torch.manual_seed(9)
-    models = [torch.nn.Linear(4, 4) for _ in range(2)]
-    x = torch.randn(2, 4)
-    pool = _Pool(handle=None)
-    a, b = (_Replayed(m, _EagerGraphs(m, x, pool)) for m in models)
+    a, b, x = _two_in_a_pool(9)
     for _ in range(3):  # the first backwards are the captures: A's, then B's
         ya, yb = a(x), b(x)
         ya.sum().backward()
