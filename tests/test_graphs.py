@@ -232,6 +232,27 @@ def test_modules_captured_in_one_step_share_a_pool_and_replay_as_eager(determini
 
 
 @gpu
+def test_branches_whose_backwards_run_in_forward_order_replay_as_eager(deterministic):
+    """Two blocks on one input, each with a backward of its own, A's first: captured in that order (A's backward
+    while B's saved activations are held), they share a pool and train to eager's weights, step after step."""
+    eager = blocks(8)[:2]
+    graphed = torch.nn.ModuleList(CUDAGraphed(b, warmup=1) for b in blocks(8)[:2])
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for _ in range(4):
+        x = torch.randn(16, 64, device="cuda", generator=g)
+        for model, opt in zip((eager, graphed), opts):
+            ya, yb = model[0](x), model[1](x)
+            ya.square().mean().backward()
+            yb.abs().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert_close_weights(eager, graphed, 1e-5)
+    assert all(block.captured for block in graphed)
+    assert len({id(graphs.pool) for block in graphed for graphs in block._graphs.values()}) == 1
+
+
+@gpu
 def test_replaying_out_of_capture_order_raises_before_wrong_gradients(deterministic):
     """Two blocks captured as A then B share a pool; a step that runs B's forward before A's replays A between B's
     forward and backward, over memory where B's saved activations may be: the backward raises, naming the fix."""
