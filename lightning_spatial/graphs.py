@@ -136,6 +136,9 @@ class _Graphs:
         self.is_tensor = [_is(a) for a in flat]
         # the call's tensors in fixed memory (plain leaves: autograd.grad must not see a shard), and their layouts
         self.static_in = [_local(a).detach().clone().requires_grad_(a.requires_grad) for a in flat if _is(a)]
+        # where each call's inputs are written: ``.data`` aliases, so the writes do not count as in-place changes of
+        # tensors the forward saved (autograd would refuse the backward captured after them)
+        self.input_memory = [a.data for a in self.static_in]
         layouts = [_layout(a) for a in flat if _is(a)]
         needs = [a for a in self.static_in if a.requires_grad]
         self.input_needs_grad = [t and a.requires_grad for a, t in zip(flat, self.is_tensor)]
@@ -204,6 +207,7 @@ class _Graphs:
             self._forward = self._wrt = self.rng_before_forward = None
             self.pool.captured(self.index, "backward")
             del differentiable, wrt, grads
+        self.pool.replaying(self.index, "backward")
         self.backward_graph.replay()
 
     def _backward_eagerly(self, error: Exception) -> None:
@@ -228,7 +232,7 @@ class _Graphs:
     def __call__(self, flat: list) -> Any:
         tensors = [a for a, t in zip(flat, self.is_tensor) if t]
         with torch.no_grad():
-            for static, a in zip(self.static_in, tensors):
+            for static, a in zip(self.input_memory, tensors):
                 static.copy_(_local(a))
         edges = [_local(a) for a, needs in zip(flat, self.input_needs_grad) if needs]
         outs = iter(_Replay.apply(self, *edges, *self.params))
@@ -280,7 +284,6 @@ class _Replay(torch.autograd.Function):
             else:
                 static.copy_(_local(g))
         graphs.replay_backward()
-        graphs.pool.replaying(graphs.index, "backward")
         inputs = len(graphs.static_grads) - len(graphs.params)
         to_inputs = (None if g is None else g.clone() for g in graphs.static_grads[:inputs])
         return (None, *to_inputs, *_into_buckets(graphs.params, graphs.static_grads[inputs:]))
