@@ -35,7 +35,8 @@ eagerly from then on, with a warning. A module with compiled code keeps a pool o
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -66,6 +67,7 @@ class _Pool:
 
     def __init__(self, handle: Any, device: int | None = None) -> None:
         self.handle, self.device = handle, device  # torch.cuda.graph_pool_handle(), the CUDA device index
+        self.own = device is None  # one module's own pool (compiled code): its backward is captured with its forward
         self.clock = 0
         # per phase ("forward", "backward"), per member: the clock at its capture (None: not yet) and last replay
         self.captured_at: dict[str, list[int | None]] = {"forward": [], "backward": []}
@@ -75,7 +77,7 @@ class _Pool:
     def for_capture(module: nn.Module) -> _Pool:
         """The current run's open pool on this device, or a new one; a pool of its own for a module with compiled
         code (its compiled backward reuses, "donates", its saved activations' memory; a shared pool is not tested
-        with that)."""
+        with that, and a compiled backward captured from the autograd engine's thread stalled)."""
         if any(isinstance(m, OptimizedModule) or m._compiled_call_impl is not None for m in module.modules()):
             return _Pool(torch.cuda.graph_pool_handle())
         pools, device = run.current().graph_pools, torch.cuda.current_device()
@@ -126,6 +128,22 @@ class _Pool:
                     )
 
 
+@contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
+    """``torch.cuda.graph``; where the capture fails, the thread's stream is made current again and the CUDA random
+    number generator leaves capture mode (a capture that ends does that), so that eager code can run after it:
+    a failed ``torch.cuda.graph`` leaves both as they were inside it (torch 2.11)."""
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            torch.zeros(1, device=stream.device)
+        raise
+
+
 class _Graphs:
     """One capture: the forward and backward graphs, their static inputs, outputs and gradients."""
 
@@ -165,7 +183,7 @@ class _Graphs:
         torch.cuda.set_rng_state(rng[1])
         self.forward_graph = torch.cuda.CUDAGraph()
         # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
-        with torch.cuda.graph(self.forward_graph, pool=pool.handle, capture_error_mode="thread_local"):
+        with _capturing(self.forward_graph, pool.handle):
             out = forward()
             flat_out, self.out_spec = tree_flatten(out)
             outs = [o for o in flat_out if _is(o)]
@@ -187,26 +205,28 @@ class _Graphs:
         self._forward, self._wrt, self._autocast = forward, wrt, torch.get_autocast_dtype("cuda")
         self._autocast_on, self.rng_before_forward = torch.is_autocast_enabled("cuda"), None
         self.pool, self.index = pool, pool.join()
-        del out, flat_out, outs, local_outs
+        del out, flat_out, outs, local_outs, differentiable
+        if pool.own:
+            self._capture_backward()
+
+    def _capture_backward(self) -> None:
+        differentiable, wrt = self._backward_of
+        self._backward_of = None  # the capture frees the saved activations as it goes
+        graph = torch.cuda.CUDAGraph()
+        with _capturing(graph, self.pool.handle):
+            grads = torch.autograd.grad(differentiable, wrt, self.static_grad_out, allow_unused=True)
+        self.static_grads, self.backward_graph = list(grads), graph
+        self._forward = self._wrt = self.rng_before_forward = None
+        self.pool.captured(self.index, "backward")
 
     def replay_backward(self) -> None:
         """The recorded backward, captured first if this is its first call; ``static_grad_out`` holds its input."""
         if self.backward_graph is None:
-            differentiable, wrt = self._backward_of
-            self._backward_of = None  # the capture frees the saved activations as it goes
-            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
             try:
-                with torch.cuda.graph(graph, pool=self.pool.handle, capture_error_mode="thread_local"):
-                    grads = torch.autograd.grad(differentiable, wrt, self.static_grad_out, allow_unused=True)
+                self._capture_backward()
             except Exception as error:  # noqa: BLE001 - whatever stops the capture, this step's gradients are owed
-                del differentiable, wrt
-                with torch.cuda.stream(stream):  # a failed capture may leave its own stream current
-                    self._backward_eagerly(error)
+                self._backward_eagerly(error)
                 return
-            self.static_grads, self.backward_graph = list(grads), graph
-            self._forward = self._wrt = self.rng_before_forward = None
-            self.pool.captured(self.index, "backward")
-            del differentiable, wrt, grads
         self.pool.replaying(self.index, "backward")
         self.backward_graph.replay()
 

@@ -137,34 +137,39 @@ def test_sharded_inputs_and_outputs_keep_their_layout_and_gradients(deterministi
         assert len(graphed._graphs) == 1
 
 
-class _ReadsInBackward(torch.autograd.Function):
-    """The identity, whose backward reads a value on the host: no capture holds it (an eager backward can)."""
+class _ReadsOnHost(torch.autograd.Function):
+    """The identity, reading a value on the host in its forward or its backward: no capture holds that (eager code
+    can)."""
 
     @staticmethod
-    def forward(ctx, x):
-        return x.clone()
+    def forward(ctx, x, phase):
+        ctx.phase = phase
+        return x * (x.abs().max().item() > -1) if phase == "forward" else x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * (grad.abs().max().item() > -1)
+        return (grad * (grad.abs().max().item() > -1) if ctx.phase == "backward" else grad), None
 
 
 class _Uncapturable(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, phase: str):
         super().__init__()
         self.a, self.drop, self.b = torch.nn.Linear(16, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 16)
+        self.phase = phase
 
     def forward(self, x):
-        return self.b(_ReadsInBackward.apply(self.drop(self.a(x))))
+        return self.b(_ReadsOnHost.apply(self.drop(self.a(x)), self.phase))
 
 
 @gpu
-def test_a_backward_that_cannot_be_captured_runs_eagerly_with_the_forwards_random_numbers():
-    """The backward is captured when the step first reaches it; where that fails, the step's gradients come from an
-    eager forward and backward with the random numbers the replayed forward drew (its dropout mask), the module runs
-    eagerly from then on with a warning, and training equals eager training."""
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_module_that_cannot_be_captured_runs_eagerly_with_the_same_random_numbers(phase):
+    """A forward that cannot be captured runs eagerly; a backward, captured when the step first reaches it, where
+    that fails gives the step's gradients from an eager forward and backward with the random numbers the replayed
+    forward drew (its dropout mask). Either way the module runs eagerly from then on with a warning, random numbers
+    still draw after the failed capture, and training equals eager training."""
     torch.manual_seed(3)
-    eager = _Uncapturable().cuda()
+    eager = _Uncapturable(phase).cuda()
     graphed = CUDAGraphed(copy.deepcopy(eager), warmup=1)
     results = []
     for model in (eager, graphed):
