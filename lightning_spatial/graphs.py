@@ -427,10 +427,12 @@ class CUDAGraphed(nn.Module):
                     stacklevel=2,
                 )
             return self.module(*args, **kwargs)
+        pool = _Pool.for_capture(self.module)
         try:
-            graphs = _Graphs(self.module, flat, spec, _Pool.for_capture(self.module), self._capture_failed)
+            graphs = _Graphs(self.module, flat, spec, pool, self._capture_failed)
             self._graphs[key] = graphs
         except Exception as error:  # noqa: BLE001 - whatever stops a capture, the module still runs, eagerly
+            pool.close()  # later captures go to a new pool, not one a capture failed in
             self._capture_failed(error)
             return self.module(*args, **kwargs)
         return graphs(flat)
