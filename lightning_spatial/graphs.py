@@ -22,18 +22,21 @@ docs/benchmarks.md). Checkpoints do not see the wrapper: its state dict is the m
 
 Memory: the captures made in one training step, up to its first replayed backward, share one pool (``_Pool``), so
 that what one graph only needs while it replays (its temporaries) is memory the next graph reuses, as in an eager
-step, instead of every capture reserving its own. What lives from one graph's replay to another's stays allocated:
-its outputs, the gradients it returns, and the activations its forward saves for its backward (the capture keeps
-the forward's autograd graph). That is safe while the graphs replay in their capture order, each forward and
-backward span nested inside the earlier graphs' (the order of one step of a model); a backward whose forward's
-saved activations an earlier graph may have overwritten since raises an error instead of computing gradients. A
-module with compiled code keeps a pool of its own: its compiled backward reuses the memory of the activations it saved.
+step, instead of every capture reserving its own. A forward is captured at its call and its backward when the step's
+backward reaches it, so the pool sees the step's own order of allocations: a forward's saved activations stay
+allocated (its autograd graph is held) until its backward's capture, which frees them as it goes for its own
+temporaries, as an eager backward does. Replays are safe while they keep that order (the order of one step of a
+model); a backward whose saved activations another replay may have overwritten since its forward (a module captured
+outside its span, or its own forward again) raises an error instead of computing gradients. A backward that cannot
+be captured is computed eagerly for that step (the forward again, with the same random numbers), and the module runs
+eagerly from then on, with a warning. A module with compiled code keeps a pool of its own.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -60,65 +63,100 @@ def _layout(t: Any):
 
 class _Pool:
     """The memory pool that the captures of one step share (see the module docstring), and when each of its graphs
-    last replayed: member ``i`` is the ``i``-th capture made into it."""
+    was captured and last replayed, on one clock: member ``i`` is the ``i``-th capture made into it."""
 
-    def __init__(self, handle: Any, device: int | None = None, shared: bool = True) -> None:
+    def __init__(self, handle: Any, device: int | None = None) -> None:
         self.handle, self.device = handle, device  # torch.cuda.graph_pool_handle(), the CUDA device index
-        self.shared = shared  # False: one capture's own pool, nothing else allocates in it
+        self.own = device is None  # one module's own pool (compiled code): its backward is captured with its forward
         self.clock = 0
-        self.last_replay: list[int] = []
+        # per phase ("forward", "backward"), per member: the clock at its capture (None: not yet) and last replay
+        self.captured_at: dict[str, list[int | None]] = {"forward": [], "backward": []}
+        self.replayed_at: dict[str, list[int]] = {"forward": [], "backward": []}
 
     @staticmethod
     def for_capture(module: nn.Module) -> _Pool:
         """The current run's open pool on this device, or a new one; a pool of its own for a module with compiled
-        code: a compiled backward reuses ("donates") the memory of the activations its forward saved, so it cannot
-        keep them allocated (a retained autograd graph) for a shared pool's sake."""
+        code (its compiled backward reuses, "donates", its saved activations' memory; a shared pool is not tested
+        with that, and a compiled backward captured from the autograd engine's thread stalled)."""
         if any(isinstance(m, OptimizedModule) or m._compiled_call_impl is not None for m in module.modules()):
-            return _Pool(torch.cuda.graph_pool_handle(), shared=False)
+            return _Pool(torch.cuda.graph_pool_handle())
         pools, device = run.current().graph_pools, torch.cuda.current_device()
         if device not in pools:
             pools[device] = _Pool(torch.cuda.graph_pool_handle(), device)
         return pools[device]
 
     def close(self) -> None:
-        """Captures after a replayed backward start a pool of their own: a step's order holds only for the graphs
-        captured in that step."""
+        """Forwards captured after a replayed backward start a pool of their own: a step's order holds only for the
+        graphs captured in that step."""
         pools = run.current().graph_pools
         if pools.get(self.device) is self:
             del pools[self.device]
 
-    def join(self) -> int:
-        self.last_replay.append(0)
-        return len(self.last_replay) - 1
-
-    def replaying(self, member: int) -> int:
+    def _tick(self) -> int:
         self.clock += 1
-        self.last_replay[member] = self.clock
         return self.clock
 
+    def join(self) -> int:
+        """A new member, its forward just captured."""
+        self.captured_at["forward"].append(self._tick())
+        self.captured_at["backward"].append(None)
+        self.replayed_at["forward"].append(0)
+        self.replayed_at["backward"].append(0)
+        return len(self.replayed_at["forward"]) - 1
+
+    def captured(self, member: int, phase: str) -> None:
+        self.captured_at[phase][member] = self._tick()
+
+    def replaying(self, member: int, phase: str) -> int:
+        self.replayed_at[phase][member] = at = self._tick()
+        return at
+
     def check_saved(self, member: int, forward_at: int, name: str) -> None:
-        """Raise if a graph captured before ``member`` replayed since ``member``'s forward: its memory may hold what
-        that forward saved for this backward."""
-        if any(at > forward_at for at in self.last_replay[:member]):
-            raise RuntimeError(
-                f"CUDAGraphed({name}): between this module's replayed forward and its backward, a module captured "
-                "before it replayed, in the memory where this forward's saved activations are; the gradients would "
-                "be wrong. Captured modules must run in the order of the step they were captured in (the forwards in "
-                "order, the backwards in reverse). Name only modules that run in a fixed order (cuda_graphs=[...]), "
-                "or turn graphs off (cuda_graphs=False)"
-            )
+        """Raise if, since ``member``'s forward replayed (at ``forward_at``), a graph replayed that was not captured
+        while that forward's saved activations were held (after its forward's capture, before its backward's): its
+        memory may be where they are, and the backward would read what it wrote."""
+        lo, hi = self.captured_at["forward"][member], self.captured_at["backward"][member] or self.clock + 1
+        for phase, replayed in self.replayed_at.items():
+            for at, captured in zip(replayed, self.captured_at[phase]):
+                if at > forward_at and not lo < captured < hi:
+                    raise RuntimeError(
+                        f"CUDAGraphed({name}): between this module's replayed forward and its backward, another "
+                        "replay (or this module's forward again) wrote to memory where this forward's saved "
+                        "activations may be; the gradients would be wrong. Captured modules must run in the order of "
+                        "the step they were captured in, each once per step. Name only modules that run once in a "
+                        "fixed order (cuda_graphs=[...]), or turn graphs off (cuda_graphs=False)"
+                    )
+
+
+@contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
+    """``torch.cuda.graph``; where the capture fails, the thread's stream is made current again and the CUDA random
+    number generator leaves capture mode (a capture that ends does that), so that eager code can run after it:
+    a failed ``torch.cuda.graph`` leaves both as they were inside it (torch 2.11)."""
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            torch.zeros(1, device=stream.device)
+        raise
 
 
 class _Graphs:
     """One capture: the forward and backward graphs, their static inputs, outputs and gradients."""
 
-    def __init__(self, module: nn.Module, flat: list, spec, pool: _Pool) -> None:
-        self.name = type(module).__name__
+    def __init__(self, module: nn.Module, flat: list, spec, pool: _Pool, on_failure: Callable) -> None:
+        self.name, self.on_failure = type(module).__name__, on_failure
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
         self.pointers = tuple(p.data_ptr() for p in self.params)
         self.is_tensor = [_is(a) for a in flat]
         # the call's tensors in fixed memory (plain leaves: autograd.grad must not see a shard), and their layouts
         self.static_in = [_local(a).detach().clone().requires_grad_(a.requires_grad) for a in flat if _is(a)]
+        # where each call's inputs are written: ``.data`` aliases, so the writes do not count as in-place changes of
+        # tensors the forward saved (autograd would refuse the backward captured after them)
+        self.input_memory = [a.data for a in self.static_in]
         layouts = [_layout(a) for a in flat if _is(a)]
         needs = [a for a in self.static_in if a.requires_grad]
         self.input_needs_grad = [t and a.requires_grad for a, t in zip(flat, self.is_tensor)]
@@ -143,9 +181,9 @@ class _Graphs:
         _rehearse(module, forward, wrt)
         torch.set_rng_state(rng[0])  # the rehearsal's random numbers are not the step's: the replay draws those
         torch.cuda.set_rng_state(rng[1])
-        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        self.forward_graph = torch.cuda.CUDAGraph()
         # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
-        with torch.cuda.graph(self.forward_graph, pool=pool.handle, capture_error_mode="thread_local"):
+        with _capturing(self.forward_graph, pool.handle):
             out = forward()
             flat_out, self.out_spec = tree_flatten(out)
             outs = [o for o in flat_out if _is(o)]
@@ -156,16 +194,55 @@ class _Graphs:
         self.out_needs_grad = [o.requires_grad for o in outs]
         differentiable = [o for o in local_outs if o.requires_grad]
         self.static_grad_out = [torch.empty_like(o) for o in differentiable]
-        with torch.cuda.graph(self.backward_graph, pool=pool.handle, capture_error_mode="thread_local"):
-            grads = torch.autograd.grad(
-                differentiable, wrt, self.static_grad_out, allow_unused=True, retain_graph=pool.shared
-            )
-        self.static_grads = list(grads)
-        # in a shared pool, the forward's autograd graph is kept: the activations it saved stay allocated, so no
-        # later capture puts its own memory where this backward reads them
-        self.saved_by_forward = differentiable if pool.shared else None
+        # The backward is captured when the step's backward first reaches it, in the step's order, as an eager
+        # step runs it: until then the forward's autograd graph holds its saved activations (no later capture puts
+        # memory there), and its capture frees them as it goes, for its own temporaries to reuse.
+        self.backward_graph: torch.cuda.CUDAGraph | None = None
+        self.static_grads: list[torch.Tensor | None] = []
+        self._backward_of: tuple | None = (differentiable, wrt)
+        # what an eager backward needs if the capture fails: the forward, the autocast state it ran under, and the
+        # random numbers' state before the forward replayed (a dropout mask is drawn again, the same)
+        self._forward, self._wrt, self._autocast = forward, wrt, torch.get_autocast_dtype("cuda")
+        self._autocast_on, self.rng_before_forward = torch.is_autocast_enabled("cuda"), None
         self.pool, self.index = pool, pool.join()
-        del out, flat_out, outs, local_outs, grads
+        del out, flat_out, outs, local_outs, differentiable
+        if pool.own:
+            self._capture_backward()
+
+    def _capture_backward(self) -> None:
+        differentiable, wrt = self._backward_of
+        self._backward_of = None  # the capture frees the saved activations as it goes
+        graph = torch.cuda.CUDAGraph()
+        with _capturing(graph, self.pool.handle):
+            grads = torch.autograd.grad(differentiable, wrt, self.static_grad_out, allow_unused=True)
+        self.static_grads, self.backward_graph = list(grads), graph
+        self._forward = self._wrt = self.rng_before_forward = None
+        self.pool.captured(self.index, "backward")
+
+    def replay_backward(self) -> None:
+        """The recorded backward, captured first if this is its first call; ``static_grad_out`` holds its input."""
+        if self.backward_graph is None:
+            try:
+                self._capture_backward()
+            except Exception as error:  # noqa: BLE001 - whatever stops the capture, this step's gradients are owed
+                self._backward_eagerly(error)
+                return
+        self.pool.replaying(self.index, "backward")
+        self.backward_graph.replay()
+
+    def _backward_eagerly(self, error: Exception) -> None:
+        """The gradients of the replayed forward by an eager forward and backward on the same inputs, parameters and
+        random numbers; the module runs eagerly from now on (``on_failure``)."""
+        torch.cuda.synchronize()
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+            torch.cuda.set_rng_state(self.rng_before_forward)
+            with torch.enable_grad(), torch.autocast("cuda", self._autocast, enabled=self._autocast_on):
+                outs = [_local(o) for o in tree_flatten(self._forward())[0] if _is(o) and o.requires_grad]
+            grads = torch.autograd.grad(outs, self._wrt, self.static_grad_out, allow_unused=True)
+        torch.cuda.synchronize()
+        self.static_grads = list(grads)
+        self._forward = self._wrt = None
+        self.on_failure(error)
 
     def fits(self) -> bool:
         """The parameters still live where the graphs read them (``.to()`` or a reload that reallocates moves
@@ -175,7 +252,7 @@ class _Graphs:
     def __call__(self, flat: list) -> Any:
         tensors = [a for a, t in zip(flat, self.is_tensor) if t]
         with torch.no_grad():
-            for static, a in zip(self.static_in, tensors):
+            for static, a in zip(self.input_memory, tensors):
                 static.copy_(_local(a))
         edges = [_local(a) for a, needs in zip(flat, self.input_needs_grad) if needs]
         outs = iter(_Replay.apply(self, *edges, *self.params))
@@ -206,7 +283,9 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs: _Graphs, *edges: torch.Tensor):
         ctx.graphs = graphs
-        ctx.replayed_at = graphs.pool.replaying(graphs.index)
+        ctx.replayed_at = graphs.pool.replaying(graphs.index, "forward")
+        if graphs.backward_graph is None:  # until its capture: what an eager backward would need
+            graphs.rng_before_forward = torch.cuda.get_rng_state()
         graphs.forward_graph.replay()
         outs = tuple(o.clone() for o in graphs.static_out)
         ctx.mark_non_differentiable(*(o for o, needs in zip(outs, graphs.out_needs_grad) if not needs))
@@ -217,7 +296,6 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         graphs = ctx.graphs
         graphs.pool.check_saved(graphs.index, ctx.replayed_at, graphs.name)
-        graphs.pool.replaying(graphs.index)
         graphs.pool.close()
         differentiable = (g for g, needs in zip(grads, graphs.out_needs_grad) if needs)
         for static, g in zip(graphs.static_grad_out, differentiable):
@@ -225,7 +303,7 @@ class _Replay(torch.autograd.Function):
                 static.zero_()
             else:
                 static.copy_(_local(g))
-        graphs.backward_graph.replay()
+        graphs.replay_backward()
         inputs = len(graphs.static_grads) - len(graphs.params)
         to_inputs = (None if g is None else g.clone() for g in graphs.static_grads[:inputs])
         return (None, *to_inputs, *_into_buckets(graphs.params, graphs.static_grads[inputs:]))
@@ -349,9 +427,12 @@ class CUDAGraphed(nn.Module):
                     stacklevel=2,
                 )
             return self.module(*args, **kwargs)
+        pool = _Pool.for_capture(self.module)
         try:
-            self._graphs[key] = graphs = _Graphs(self.module, flat, spec, _Pool.for_capture(self.module))
+            graphs = _Graphs(self.module, flat, spec, pool, self._capture_failed)
+            self._graphs[key] = graphs
         except Exception as error:  # noqa: BLE001 - whatever stops a capture, the module still runs, eagerly
+            pool.close()  # later captures go to a new pool, not one a capture failed in
             self._capture_failed(error)
             return self.module(*args, **kwargs)
         return graphs(flat)

@@ -137,6 +137,51 @@ def test_sharded_inputs_and_outputs_keep_their_layout_and_gradients(deterministi
         assert len(graphed._graphs) == 1
 
 
+class _ReadsOnHost(torch.autograd.Function):
+    """The identity, reading a value on the host in its forward or its backward: no capture holds that (eager code
+    can)."""
+
+    @staticmethod
+    def forward(ctx, x, phase):
+        ctx.phase = phase
+        return x * (x.abs().max().item() > -1) if phase == "forward" else x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * (grad.abs().max().item() > -1) if ctx.phase == "backward" else grad), None
+
+
+class _Uncapturable(torch.nn.Module):
+    def __init__(self, phase: str):
+        super().__init__()
+        self.a, self.drop, self.b = torch.nn.Linear(16, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 16)
+        self.phase = phase
+
+    def forward(self, x):
+        return self.b(_ReadsOnHost.apply(self.drop(self.a(x)), self.phase))
+
+
+@gpu
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_module_that_cannot_be_captured_runs_eagerly_with_the_same_random_numbers(phase):
+    """A forward that cannot be captured runs eagerly; a backward, captured when the step first reaches it, where
+    that fails gives the step's gradients from an eager forward and backward with the random numbers the replayed
+    forward drew (its dropout mask). Either way the module runs eagerly from then on with a warning, random numbers
+    still draw after the failed capture, and training equals eager training."""
+    torch.manual_seed(3)
+    eager = _Uncapturable(phase).cuda()
+    graphed = CUDAGraphed(copy.deepcopy(eager), warmup=1)
+    results = []
+    for model in (eager, graphed):
+        torch.manual_seed(11)
+        inputs = [torch.randn(8, 16, device="cuda") for _ in range(4)]
+        with pytest.warns(UserWarning, match="runs eagerly: its capture failed") if model is graphed else nullcontext():
+            results.append(train(model, inputs))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)
+    assert_close_weights(eager, graphed, 1e-6)
+    assert not graphed.captured
+
+
 @gpu
 def test_parameters_moved_elsewhere_are_captured_again(deterministic):
     """A graph reads the parameters' memory: after a reload that reallocates them, it must not replay stale
@@ -189,6 +234,27 @@ def test_modules_captured_in_one_step_share_a_pool_and_replay_as_eager(determini
     assert_close_weights(eager, graphed, 1e-5)
     pools = {id(graphs.pool) for block in graphed for graphs in block._graphs.values()}
     assert len(pools) == 1 and all(block.captured for block in graphed)
+
+
+@gpu
+def test_branches_whose_backwards_run_in_forward_order_replay_as_eager(deterministic):
+    """Two blocks on one input, each with a backward of its own, A's first: captured in that order (A's backward
+    while B's saved activations are held), they share a pool and train to eager's weights, step after step."""
+    eager = blocks(8)[:2]
+    graphed = torch.nn.ModuleList(CUDAGraphed(b, warmup=1) for b in blocks(8)[:2])
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for _ in range(4):
+        x = torch.randn(16, 64, device="cuda", generator=g)
+        for model, opt in zip((eager, graphed), opts):
+            ya, yb = model[0](x), model[1](x)
+            ya.square().mean().backward()
+            yb.abs().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert_close_weights(eager, graphed, 1e-5)
+    assert all(block.captured for block in graphed)
+    assert len({id(graphs.pool) for block in graphed for graphs in block._graphs.values()}) == 1
 
 
 @gpu
@@ -323,7 +389,7 @@ def test_a_compiled_caller_leaves_the_graphed_module_to_itself():
 
 class _EagerGraphs:
     """What ``_Replay`` reads of a capture, filled by eager calls instead of graphs (CPU): its gradients are the
-    capture's memory, as a replayed backward's are."""
+    capture's memory, as a replayed backward's are; its backward is "captured" at its first call, as a real one is."""
 
     def __init__(self, model: torch.nn.Module, x: torch.Tensor, pool: _Pool | None = None):
         self.pool = _Pool(handle=None) if pool is None else pool
@@ -335,7 +401,14 @@ class _EagerGraphs:
         self.static_grad_out = [torch.empty_like(self.static_out[0])]
         self.static_grads = [torch.empty_like(p) for p in self.params]
         self.forward_graph = SimpleNamespace(replay=lambda: None)  # the output is computed once, above
-        self.backward_graph = SimpleNamespace(replay=self.backward)
+        self.backward_graph = SimpleNamespace(replay=self.backward)  # not None: no random state to keep
+        self.captured_backward = False
+
+    def replay_backward(self) -> None:
+        if not self.captured_backward:
+            self.captured_backward = True
+            self.pool.captured(self.index, "backward")
+        self.backward()
 
     def backward(self) -> None:
         with torch.enable_grad():
@@ -399,12 +472,18 @@ def test_replayed_gradients_land_in_ddp_buckets_with_one_copy():
     run_spmd(_ddp_buckets_case, 1)  # a rank of its own: the parent never initialises a process group
 
 
-def _pool_order_case():
-    torch.manual_seed(8)
+def _two_in_a_pool(seed: int):
+    """Stand-ins of two captures A and B (in that order) of one pool, and their input."""
+    torch.manual_seed(seed)
     models = [torch.nn.Linear(4, 4) for _ in range(2)]
     x = torch.randn(2, 4)
     pool = _Pool(handle=None)
     a, b = (_Replayed(m, _EagerGraphs(m, x, pool)) for m in models)
+    return a, b, x
+
+
+def _pool_order_case():
+    a, b, x = _two_in_a_pool(8)
     for _ in range(2):
         ya = a(x)
         (ya.sum() + b(ya).sum()).backward()
@@ -412,6 +491,25 @@ def _pool_order_case():
     loss = a(x).sum() + yb.sum()
     with pytest.raises(RuntimeError, match=r"CUDAGraphed\(Linear\).*order of the step they were captured in"):
         loss.backward()
+
+
+def _pool_capture_order_case():
+    a, b, x = _two_in_a_pool(9)
+    for _ in range(3):  # the first backwards are the captures: A's, then B's
+        ya, yb = a(x), b(x)
+        ya.sum().backward()
+        yb.sum().backward()
+    first, second = a(x), a(x)  # A's forward again: what the first one saved is overwritten
+    second.sum().backward()
+    with pytest.raises(RuntimeError, match=r"CUDAGraphed\(Linear\).*or this module's forward again"):
+        first.sum().backward()
+
+
+def test_the_pool_order_check_follows_the_order_the_backwards_were_captured_in():
+    """Backwards are captured when the step reaches them: captured as forwards A, B then backwards A, B (two
+    branches), the step replays in that order step after step (B's saved activations were held while A's backward
+    was captured); a module's forward replayed twice before its first backward raises there."""
+    run_spmd(_pool_capture_order_case, 1)
 
 
 def test_the_pool_order_check_lets_nested_replays_pass_and_stops_the_rest():
