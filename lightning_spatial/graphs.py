@@ -29,7 +29,8 @@ temporaries, as an eager backward does. Replays are safe while they keep that or
 model); a backward whose saved activations another replay may have overwritten since its forward (a module captured
 outside its span, or its own forward again) raises an error instead of computing gradients. A backward that cannot
 be captured is computed eagerly for that step (the forward again, with the same random numbers), and the module runs
-eagerly from then on, with a warning. A module with compiled code keeps a pool of its own.
+eagerly from then on, with a warning. A module with compiled code keeps a pool of its own, its backward captured
+with its forward.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class _Pool:
     def for_capture(module: nn.Module) -> _Pool:
         """The current run's open pool on this device, or a new one; a pool of its own for a module with compiled
         code (its compiled backward reuses, "donates", its saved activations' memory; a shared pool is not tested
-        with that, and a compiled backward captured from the autograd engine's thread stalled)."""
+        with that, nor a compiled backward captured inside the step's backward)."""
         if any(isinstance(m, OptimizedModule) or m._compiled_call_impl is not None for m in module.modules()):
             return _Pool(torch.cuda.graph_pool_handle())
         pools, device = run.current().graph_pools, torch.cuda.current_device()

@@ -168,6 +168,7 @@ DESCRIBED = {
     r"\beager shard alone\b": lambda row: "both" not in (row.get("compile", "none"), row.get("graphs", "none")),
     r"\bNCCL\b": lambda row: row["backend"] == "nccl",
     r"\bthrough the Trainer\b": lambda row: row.get("bench") == "trainer",
+    r"\bon an H100\b": lambda row: "H100" in row["device"],
     # rows from before the ResNet BEV encoder have no "bev_encoder": the conv stack was the only one
     r"\bconv-stack BEV encoder\b": lambda row: row.get("bev_encoder", "convs") == "convs",
     r"\bResNet-\d+ BEV encoder\b": lambda row: row.get("bev_encoder", "convs").startswith("resnet"),
@@ -205,6 +206,7 @@ def _trainer_row(row: dict) -> dict:
     return {
         "bev_encoder": row.get("bev_encoder") or default,
         "bench": "trainer",
+        "device": row["device"],
         "model": row["model"],
         "precision": {"bf16-mixed": "bf16", "32-true": "fp32"}.get(row["precision"], row["precision"]),
         "spatial": row["fake_world"] or row["world"],
