@@ -167,7 +167,8 @@ def test_a_module_that_cannot_be_captured_runs_eagerly_with_the_same_random_numb
     """A forward that cannot be captured runs eagerly; a backward, captured when the step first reaches it, where
     that fails gives the step's gradients from an eager forward and backward with the random numbers the replayed
     forward drew (its dropout mask). Either way the module runs eagerly from then on with a warning, random numbers
-    still draw after the failed capture, and training equals eager training."""
+    still draw after the failed capture, and training equals eager training. A module captured after it replays
+    (the pool a capture failed in takes no more captures)."""
     torch.manual_seed(3)
     eager = _Uncapturable(phase).cuda()
     graphed = CUDAGraphed(copy.deepcopy(eager), warmup=1)
@@ -179,6 +180,10 @@ def test_a_module_that_cannot_be_captured_runs_eagerly_with_the_same_random_numb
             results.append(train(model, inputs))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)
     assert_close_weights(eager, graphed, 1e-6)
+    assert not graphed.captured
+    after = CUDAGraphed(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.3)).cuda(), warmup=1)
+    train(after, inputs)
+    assert after.captured
     assert not graphed.captured
 
 
