@@ -53,7 +53,8 @@ case "${1:-memory}" in
     done ;;
   gputests)
     for f in tests/strategy/test_graphs_default.py tests/test_graphs.py; do
-      python3 -m pytest -q -p no:cacheprovider -rfEs --disable-warnings "$f" 2>&1 | tail -25  # failures named
+      # failures named; a test that stalls dumps every thread's stack after 240 s
+      python3 -m pytest -q -p no:cacheprovider -rfEs --disable-warnings -o faulthandler_timeout=240 "$f" 2>&1 | tail -60
     done ;;
   train)
     # a warm machine keeps the run: the next call resumes from its last checkpoint (the time limit counts all calls)
