@@ -133,7 +133,9 @@ class StepTimer(L.Callback):
     def __init__(self, warmup: int, profile_to: str | None = None, options: dict | None = None):
         self.warmup, self.times, self.profiler = warmup, [], None
         self.graphed: dict[str, bool] = {}  # at the last step (the strategy unwraps at its teardown)
-        self.graph_pools_gib = 0.0  # at the last step: what the graphs' private pools reserve
+        # at the end of the last step, GiB: what the graphs' private pools reserve, and the rest of the device's memory
+        # that the caching allocator reserves and of that the live tensors' (where a rank's memory goes)
+        self.graph_pools_gib = self.eager_reserved_gib = self.eager_allocated_gib = 0.0
         self.profile_to, self.options = profile_to, options
 
     def _sync(self, trainer) -> None:
@@ -164,8 +166,12 @@ class StepTimer(L.Callback):
         # the submodules the strategy wrapped: replaying (True) or eager (False: warming up, or a capture failed)
         self.graphed = {n: m.captured for n, m in pl_module.named_modules() if isinstance(m, CUDAGraphed)}
         if batch_idx == trainer.max_steps - 1 and trainer.strategy.root_device.type == "cuda":
-            private = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+            segments = torch.cuda.memory_snapshot()
+            private = [s for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+            eager = [s for s in segments if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
             self.graph_pools_gib = round(sum(s["total_size"] for s in private) / 2**30, 2)
+            self.eager_reserved_gib = round(sum(s["total_size"] for s in eager) / 2**30, 2)
+            self.eager_allocated_gib = round(sum(s["allocated_size"] for s in eager) / 2**30, 2)
 
 
 def strategy(args):
@@ -229,6 +235,8 @@ def measure(args, plugins: list) -> dict:
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # 0 when eager
         "cuda_graphed": timer.graphed,
         "graph_pools_gib": timer.graph_pools_gib,  # of reserved_gib
+        "eager_reserved_gib": timer.eager_reserved_gib,  # outside the pools, at the last step's end
+        "eager_allocated_gib": timer.eager_allocated_gib,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
     }
 
