@@ -18,6 +18,7 @@ import torchmetrics
 
 from .._arguments import integers, numbers, positive
 from ..tensor import unwrap
+from .optim import adamw
 
 TASKS = ("classification", "segmentation")
 IGNORED = -100  # F.cross_entropy's ignore_index: a target pixel that counts for nothing
@@ -103,7 +104,7 @@ class ImageTask(L.LightningModule):
         h = self.hparams
         if h.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=h.lr, momentum=0.9, weight_decay=h.weight_decay)
-        return torch.optim.AdamW(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)
+        return adamw(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)
 
 
 def _check_target(key: str, target: torch.Tensor, shape: tuple[int, ...], num_classes: int) -> None:

@@ -17,6 +17,7 @@ import torch
 import torchmetrics
 
 from ..._arguments import integers, numbers, positive, sizes
+from ..optim import adamw
 from .batch import check_contents, check_shapes
 from .bev_encoder import check_bev_encoder
 
@@ -113,10 +114,7 @@ class BEVDetector(L.LightningModule):
         mine = {id(p) for p in backbone}
         groups = [{"params": [p for p in self.parameters() if id(p) not in mine]}]
         groups.append({"params": backbone, "lr": lr * mult})  # PETR's recipe: 0.1 for a pretrained backbone
-        # one fused kernel on CUDA instead of foreach's lists: a detector has hundreds of parameter tensors, and
-        # a step whose image work is split S ways is short enough for the optimizer's host time to show
-        fused = all(p.is_cuda for p in self.parameters()) or None
-        optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=self.hparams.weight_decay, fused=fused)
+        optimizer = adamw(groups, lr=lr, weight_decay=self.hparams.weight_decay)
         warmup = self.hparams.warmup_steps
         if not warmup:
             return optimizer
