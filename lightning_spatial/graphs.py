@@ -68,11 +68,15 @@ class _Pool:
 
     def __init__(self, handle: Any, device: int | None = None) -> None:
         self.handle, self.device = handle, device  # torch.cuda.graph_pool_handle(), the CUDA device index
-        self.own = device is None  # one module's own pool (compiled code): its backward is captured with its forward
         self.clock = 0
         # per phase ("forward", "backward"), per member: the clock at its capture (None: not yet) and last replay
         self.captured_at: dict[str, list[int | None]] = {"forward": [], "backward": []}
         self.replayed_at: dict[str, list[int]] = {"forward": [], "backward": []}
+
+    @property
+    def own(self) -> bool:
+        """One module's own pool (compiled code), not a run's shared one: its backward is captured with its forward."""
+        return self.device is None
 
     @staticmethod
     def for_capture(module: nn.Module) -> _Pool:
