@@ -17,8 +17,9 @@ with a warning). It runs eagerly, and says nothing, off CUDA, without autograd (
 capture; once the parameters are no longer where the capture saw them, it captures again. What a graph cannot see
 is frozen at capture: the forward must be a function of its tensor inputs, parameters and buffers (Python-side
 randomness or step counters are not replayed; torch's CUDA random numbers are). Outputs live in the graph's
-memory; a replay returns copies of them. The graphs keep one more copy of the gradients (measured:
-docs/benchmarks.md). Checkpoints do not see the wrapper: its state dict is the module's, under the same names.
+memory; a replay returns copies of them. The parameters' gradients are written outside the graphs' memory, into
+DDP's buckets where there are some, and handed to autograd as ``.grad``: held once, as in an eager step. Checkpoints
+do not see the wrapper: its state dict is the module's, under the same names.
 
 Memory: the captures made in one training step, up to its first replayed backward, share one pool (``_Pool``), so
 that what one graph only needs while it replays (its temporaries) is memory the next graph reuses, as in an eager
@@ -36,6 +37,7 @@ with its forward.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -47,7 +49,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import run
-from .tensor import SpatialTensor, settled, wrap
+from .tensor import SpatialTensor, _Plain, settled, wrap
 
 
 def _is(a: Any) -> bool:
@@ -72,6 +74,8 @@ class _Pool:
         # per phase ("forward", "backward"), per member: the clock at its capture (None: not yet) and last replay
         self.captured_at: dict[str, list[int | None]] = {"forward": [], "backward": []}
         self.replayed_at: dict[str, list[int]] = {"forward": [], "backward": []}
+        self.inputs: list[_StaticInput] = []  # where its captures read their inputs from
+        self.last_backward_at = -1
 
     @property
     def own(self) -> bool:
@@ -102,7 +106,7 @@ class _Pool:
         return self.clock
 
     def join(self) -> int:
-        """A new member, its forward just captured."""
+        """A new member, its forward about to be captured."""
         self.captured_at["forward"].append(self._tick())
         self.captured_at["backward"].append(None)
         self.replayed_at["forward"].append(0)
@@ -114,7 +118,36 @@ class _Pool:
 
     def replaying(self, member: int, phase: str) -> int:
         self.replayed_at[phase][member] = at = self._tick()
+        if phase == "backward":
+            self.last_backward_at = at
         return at
+
+    def static_input(self, a: torch.Tensor, member: int) -> _StaticInput:
+        """Where member ``member`` reads input ``a`` from: the memory an earlier capture of this step reads the
+        same tensor from (a BEV encoder's layers all read the camera tokens), else new memory, outside the pool."""
+        local = _local(a)
+        for shared in self.inputs:
+            if shared.holds(a, self.last_backward_at) and _same_layout(shared.memory, local):
+                shared.readers.append(member)
+                return shared
+        self.inputs.append(shared := _StaticInput(local, member))
+        return shared
+
+    def held(self, member: int) -> bool:
+        """Whether ``member``'s forward replayed and its backward has not yet: what it saved is still needed."""
+        return self.replayed_at["forward"][member] > self.replayed_at["backward"][member]
+
+    def load(self, member: int, inputs: list[_StaticInput], tensors: list[torch.Tensor]) -> bool:
+        """Write ``member``'s call's tensors where it reads them, skipping memory that holds the very tensor as
+        written since the last backward; False, writing nothing, where memory shared with another member would
+        change while that member still needs it."""
+        since = self.last_backward_at
+        stale = [(m, a) for m, a in zip(inputs, tensors) if not m.holds(a, since)]
+        if any(r != member and self.held(r) for m, _ in stale for r in m.readers):
+            return False
+        for m, a in stale:
+            m.write(a, self.clock)
+        return True
 
     def check_saved(self, member: int, forward_at: int, name: str) -> None:
         """Raise if, since ``member``'s forward replayed (at ``forward_at``), a graph replayed that was not captured
@@ -131,6 +164,37 @@ class _Pool:
                         "the step they were captured in, each once per step. Name only modules that run once in a "
                         "fixed order (cuda_graphs=[...]), or turn graphs off (cuda_graphs=False)"
                     )
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+
+
+class _StaticInput:
+    """Memory that captures read an input from, and which tensor it holds: each call copies its input there,
+    unless the memory holds that very tensor already (the same object at the same version, written in this
+    step's forwards), as when several captured modules are given the same tensor and share it."""
+
+    def __init__(self, local: torch.Tensor, member: int) -> None:
+        self.memory = local.detach().clone()
+        self.readers = [member]  # the pool members that read it
+        self.source: weakref.ref | None = None  # the tensor last written here, its version and the pool's clock
+        self.version = self.written_at = -1
+
+    def holds(self, a: torch.Tensor, since: int = -1) -> bool:
+        """Whether the memory holds ``a`` as it is now, written at or after the pool's clock read ``since``."""
+        held = self.source is not None and self.source() is a
+        return held and _version(a) == self.version and self.written_at >= since
+
+    def write(self, a: torch.Tensor, clock: int) -> None:
+        with torch.no_grad():
+            self.memory.copy_(_local(a))
+        self.source, self.version, self.written_at = weakref.ref(a), _version(a), clock
+
+
+def _version(a: torch.Tensor) -> int:
+    with _Plain():  # a shard's version is its local tensor's; reading it needs no op layer
+        return a._version
 
 
 @contextmanager
@@ -157,12 +221,14 @@ class _Graphs:
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
         self.pointers = tuple(p.data_ptr() for p in self.params)
         self.is_tensor = [_is(a) for a in flat]
-        # the call's tensors in fixed memory (plain leaves: autograd.grad must not see a shard), and their layouts
-        self.static_in = [_local(a).detach().clone().requires_grad_(a.requires_grad) for a in flat if _is(a)]
-        # where each call's inputs are written: ``.data`` aliases, so the writes do not count as in-place changes of
-        # tensors the forward saved (autograd would refuse the backward captured after them)
-        self.input_memory = [a.data for a in self.static_in]
-        layouts = [_layout(a) for a in flat if _is(a)]
+        # the call's tensors in fixed memory, and the capture's leaves over it (plain: autograd must not see a
+        # shard): ``.data`` aliases, so that writing an input does not count as an in-place change of a tensor the
+        # forward saved (autograd would refuse the backward captured after it)
+        self.pool, self.index = pool, pool.join()
+        tensors = [a for a in flat if _is(a)]
+        self.inputs = [pool.static_input(a, self.index) for a in tensors]
+        self.static_in = [m.memory.data.requires_grad_(a.requires_grad) for m, a in zip(self.inputs, tensors)]
+        layouts = [_layout(a) for a in tensors]
         needs = [a for a in self.static_in if a.requires_grad]
         self.input_needs_grad = [t and a.requires_grad for a, t in zip(flat, self.is_tensor)]
         # The capture reads detached aliases of the parameters (same memory, so a replay sees the optimizer's
@@ -182,6 +248,9 @@ class _Graphs:
             with _uncached_autocast():
                 return functional_call(module, dict(zip(names, leaves)), tuple(args), kwargs)
 
+        # where the backward writes the parameters' gradients: memory outside the pool (see ``_gradient_memory``)
+        self.param_grads: list[torch.Tensor | None] = _gradient_memory(self.params)
+        self.input_grads: list[torch.Tensor | None] = []
         rng = torch.get_rng_state(), torch.cuda.get_rng_state()
         _rehearse(module, forward, wrt)
         torch.set_rng_state(rng[0])  # the rehearsal's random numbers are not the step's: the replay draws those
@@ -203,24 +272,39 @@ class _Graphs:
         # step runs it: until then the forward's autograd graph holds its saved activations (no later capture puts
         # memory there), and its capture frees them as it goes, for its own temporaries to reuse.
         self.backward_graph: torch.cuda.CUDAGraph | None = None
-        self.static_grads: list[torch.Tensor | None] = []
         self._backward_of: tuple | None = (differentiable, wrt)
         # what an eager backward needs if the capture fails: the forward, the autocast state it ran under, and the
         # random numbers' state before the forward replayed (a dropout mask is drawn again, the same)
         self._forward, self._wrt, self._autocast = forward, wrt, torch.get_autocast_dtype("cuda")
         self._autocast_on, self.rng_before_forward = torch.is_autocast_enabled("cuda"), None
-        self.pool, self.index = pool, pool.join()
         del out, flat_out, outs, local_outs, differentiable
         if pool.own:
             self._capture_backward()
 
     def _capture_backward(self) -> None:
+        """The backward recorded as autograd runs it: each parameter's gradient moved into ``param_grads`` as soon
+        as it is accumulated (its memory in the pool free again for what follows), the inputs' gradients left in
+        the pool (the graph's outputs)."""
         differentiable, wrt = self._backward_of
         self._backward_of = None  # the capture frees the saved activations as it goes
+        inputs, leaves = wrt[: len(wrt) - len(self.params)], wrt[len(wrt) - len(self.params) :]
+        reached: set[int] = set()
+        moves = [
+            leaf.register_post_accumulate_grad_hook(_moving_into(memory, i, reached))
+            for i, (leaf, memory) in enumerate(zip(leaves, self.param_grads))
+        ]
         graph = torch.cuda.CUDAGraph()
-        with _capturing(graph, self.pool.handle):
-            grads = torch.autograd.grad(differentiable, wrt, self.static_grad_out, allow_unused=True)
-        self.static_grads, self.backward_graph = list(grads), graph
+        try:
+            with _capturing(graph, self.pool.handle):
+                torch.autograd.backward(differentiable, self.static_grad_out, inputs=wrt)
+        finally:  # the graph's outputs are kept here; no leaf keeps a gradient (after a failure neither)
+            for move in moves:
+                move.remove()
+            self.input_grads = [a.grad for a in inputs]
+            for a in wrt:
+                a.grad = None
+        self.param_grads = [m if i in reached else None for i, m in enumerate(self.param_grads)]  # None: unused
+        self.backward_graph = graph
         self._forward = self._wrt = self.rng_before_forward = None
         self.pool.captured(self.index, "backward")
 
@@ -245,7 +329,8 @@ class _Graphs:
                 outs = [_local(o) for o in tree_flatten(self._forward())[0] if _is(o) and o.requires_grad]
             grads = torch.autograd.grad(outs, self._wrt, self.static_grad_out, allow_unused=True)
         torch.cuda.synchronize()
-        self.static_grads = list(grads)
+        inputs = len(grads) - len(self.params)
+        self.input_grads, self.param_grads = list(grads[:inputs]), list(grads[inputs:])
         self._forward = self._wrt = None
         self.on_failure(error)
 
@@ -254,11 +339,12 @@ class _Graphs:
         them; the optimizer's in-place steps do not)."""
         return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self.pointers))
 
+    def load(self, flat: list) -> bool:
+        """This call's inputs written where the graphs read them (``_Pool.load``); False where they cannot be."""
+        return self.pool.load(self.index, self.inputs, [a for a, t in zip(flat, self.is_tensor) if t])
+
     def __call__(self, flat: list) -> Any:
-        tensors = [a for a, t in zip(flat, self.is_tensor) if t]
-        with torch.no_grad():
-            for static, a in zip(self.input_memory, tensors):
-                static.copy_(_local(a))
+        """The replay, its inputs loaded."""
         edges = [_local(a) for a, needs in zip(flat, self.input_needs_grad) if needs]
         outs = iter(_Replay.apply(self, *edges, *self.params))
         flat_out = [wrap(next(outs), value) if tensor else value for tensor, value in self.out_slots]
@@ -281,9 +367,8 @@ def _rehearse(module: nn.Module, forward, wrt: list[torch.Tensor]) -> None:
 class _Replay(torch.autograd.Function):
     """The recorded forward as one autograd node; its backward replays the recorded backward. What it returns to
     other nodes is copied out of the graph's memory, which a graph of the same pool may reuse before they read it:
-    the outputs, the inputs' gradients. The parameters' gradients are the graph's own tensors (still held here):
-    autograd accumulates them into ``.grad`` first thing (its ``AccumulateGrad`` nodes run before any other), by a
-    copy, not adopting memory that a replay would overwrite."""
+    the outputs, the inputs' gradients. The parameters' gradients are in memory of their own (``_gradient_memory``),
+    which autograd adopts as ``.grad``."""
 
     @staticmethod
     def forward(ctx, graphs: _Graphs, *edges: torch.Tensor):
@@ -308,20 +393,18 @@ class _Replay(torch.autograd.Function):
                 static.zero_()
             else:
                 static.copy_(_local(g))
+        _out_of_the_way(graphs.params, graphs.param_grads)
         graphs.replay_backward()
-        inputs = len(graphs.static_grads) - len(graphs.params)
-        to_inputs = (None if g is None else g.clone() for g in graphs.static_grads[:inputs])
-        return (None, *to_inputs, *_into_buckets(graphs.params, graphs.static_grads[inputs:]))
+        to_inputs = (None if g is None else g.clone() for g in graphs.input_grads)
+        return (None, *to_inputs, *_as_gradients(graphs.params, graphs.param_grads))
 
 
 def noting_bucket_views(hook: Callable) -> Callable:
     """A DDP communication hook (``gradient_as_bucket_view=True``) that first notes where DDP keeps each parameter's
     gradient, its bucket view (``.grad`` is that view by the time the bucket is reduced), then runs ``hook``. A
-    replayed backward writes a gradient there when the parameter's ``.grad`` is None (Lightning sets it so after
-    every step): autograd adopts that memory as ``.grad`` and DDP finds it in its bucket. One copy of the gradients
-    instead of two: the graph's output into a new ``.grad``, then that into the bucket. (It walks every parameter
-    each step: for runs that replay.) The views are the current run's (``Run.bucket_views``) and go with it: they
-    hold DDP's buckets, a gradient-sized buffer, alive."""
+    backward captured after that writes the gradients there: autograd adopts that memory as ``.grad`` and DDP finds
+    it in its bucket, with no copy. (It walks every parameter each step: for runs that replay.) The views are the
+    current run's (``Run.bucket_views``) and go with it: they hold DDP's buckets, a gradient-sized buffer, alive."""
 
     def noting_hook(state, bucket):
         views = run.current().bucket_views
@@ -334,26 +417,46 @@ def noting_bucket_views(hook: Callable) -> Callable:
     return noting_hook
 
 
-def _into_buckets(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """Each gradient copied into its parameter's bucket view, which autograd then adopts (a fresh alias, nobody else
-    holds it), all in one ``foreach`` copy (a copy per parameter costs a launch each: hundreds a step); where there is
-    no view or ``.grad`` holds a gradient to add to (accumulation), the gradient itself (autograd copies the graph's
-    memory). DDP copies a gradient that is not in its bucket: a view of old buckets only costs a copy."""
+def _gradient_memory(params: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Where a replayed backward writes each parameter's gradient: its DDP bucket view where one is noted (autograd
+    adopts it as ``.grad`` and DDP finds it in place: no copy), else memory of its own, laid out as the parameter
+    (autograd adopts it too). Outside the graphs' pool, so the gradients are held once, not once there and once
+    in ``.grad``; the next replay writes the same memory again (``_out_of_the_way``)."""
     views = run.current().bucket_views
-    out: list[torch.Tensor | None] = list(grads)
-    into, sources = [], []
-    for i, (param, grad) in enumerate(zip(params, grads)):
-        view = views.get(param)
-        if grad is None or view is None or param.grad is not None:
-            continue
-        if (view.shape, view.dtype, view.device) != (grad.shape, grad.dtype, grad.device):
-            continue
-        into.append(view)
-        sources.append(grad)
-        out[i] = view.detach()
-    if into:
-        torch._foreach_copy_(into, sources)
-    return out
+    layout = [(p.shape, p.stride(), p.dtype, p.device) for p in params]
+    found = [views.get(p) for p in params]
+    return [
+        v if v is not None and (v.shape, v.stride(), v.dtype, v.device) == at else torch.empty_like(p)
+        for p, v, at in zip(params, found, layout)
+    ]
+
+
+def _moving_into(memory: torch.Tensor, index: int, reached: set[int]) -> Callable:
+    """A hook run after autograd accumulates a capture's parameter gradient: recorded, a copy into ``memory``; the
+    gradient itself is dropped, so its memory in the pool is reused by the rest of the backward."""
+
+    def move(leaf: torch.Tensor) -> None:
+        memory.copy_(leaf.grad)
+        leaf.grad = None
+        reached.add(index)
+
+    return move
+
+
+def _out_of_the_way(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None]) -> None:
+    """A ``.grad`` that is the memory the next replay writes (the gradient the last one handed over, still there:
+    accumulation, or the same parameter in two captures) is copied out of its way first, to be added to."""
+    for p, g in zip(params, grads):
+        held = p.grad
+        if held is not None and g is not None and held.data_ptr() == g.data_ptr():
+            p.grad = held.clone()
+
+
+def _as_gradients(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """What autograd gets for each parameter: where ``.grad`` is None (Lightning sets it so after every step), a
+    fresh alias of the replay's output, which it adopts as ``.grad`` (DDP's bucket view: found in place); else the
+    output itself, added to ``.grad``."""
+    return [g.detach() if g is not None and p.grad is None else g for p, g in zip(params, grads)]
 
 
 class _uncached_autocast:
@@ -386,7 +489,8 @@ class CUDAGraphed(nn.Module):
         self.warmup, self.max_signatures = warmup, max_signatures
         self._graphs: dict[tuple, _Graphs] = {}
         self._eager_calls: dict[tuple, int] = {}
-        self._warned = False
+        self._warned: set[str] = set()
+        self._failed = False
         self._register_state_dict_hook(_without_wrapper)
         self.register_load_state_dict_pre_hook(_with_wrapper)
 
@@ -417,19 +521,24 @@ class CUDAGraphed(nn.Module):
             return self.module(*args, **kwargs)
         graphs = self._graphs.get(key)
         if graphs is not None and graphs.fits():
-            return graphs(flat)
+            if graphs.load(flat):
+                return graphs(flat)
+            self._warn_once(
+                f"CUDAGraphed({type(self.module).__name__}): a call runs eagerly: an input of its capture shares "
+                "memory with another captured module's, which still needs what it holds (the two were given the "
+                "same tensor when captured, different ones now)"
+            )
+            return self.module(*args, **kwargs)
         calls = self._eager_calls[key] = self._eager_calls.get(key, 0) + 1
         if calls <= self.warmup:
             with _uncached_autocast():  # as the capture will run it: compiled code guards on the cast cache
                 return self.module(*args, **kwargs)
         if graphs is None and len(self._graphs) >= self.max_signatures:  # each capture holds its activations
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
+            if not self._failed:  # after a failed capture that warning said enough
+                self._warn_once(
                     f"CUDAGraphed({type(self.module).__name__}): inputs of more than {self.max_signatures} shapes or "
                     "layouts; new ones run eagerly (each capture keeps its activations' memory). Pad or bucket inputs "
-                    "to a few sizes, or raise max_signatures",
-                    stacklevel=2,
+                    "to a few sizes, or raise max_signatures"
                 )
             return self.module(*args, **kwargs)
         pool = _Pool.for_capture(self.module)
@@ -440,19 +549,24 @@ class CUDAGraphed(nn.Module):
             pool.close()  # later captures go to a new pool, not one a capture failed in
             self._capture_failed(error)
             return self.module(*args, **kwargs)
+        graphs.load(flat)  # nobody else reads its memory, or it holds this very tensor already
         return graphs(flat)
 
     def _capture_failed(self, error: Exception) -> None:
         """From now on eager: a capture that failed once (a host synchronisation, a data-dependent shape, an op the
         graph cannot hold) would fail again."""
-        self.max_signatures, self._graphs = 0, {}
+        self.max_signatures, self._graphs, self._failed = 0, {}, True
         torch.cuda.synchronize()
         warnings.warn(
             f"CUDAGraphed({type(self.module).__name__}) runs eagerly: its capture failed with "
             f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}",
             stacklevel=3,
         )
-        self._warned = True  # the signature limit's warning would say nothing new
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=3)
 
     def _signature(self, flat: list, spec) -> tuple | None:
         """What a capture depends on, or None where it must run eagerly."""

@@ -4,6 +4,7 @@ graph cannot be captured (CPU, no autograd)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_spatial import halo, run
-from lightning_spatial.graphs import CUDAGraphed, _Pool, _Replay, noting_bucket_views
+from lightning_spatial.graphs import CUDAGraphed, _gradient_memory, _Pool, _Replay, noting_bucket_views
 from lightning_spatial.primitives import Axis, DimShard, Layout
 from lightning_spatial.tensor import SpatialTensor, wrap
 from tests.spmd import run_spmd
@@ -261,6 +262,50 @@ def test_branches_whose_backwards_run_in_forward_order_replay_as_eager(determini
     assert len({id(graphs.pool) for block in graphed for graphs in block._graphs.values()}) == 1
 
 
+class Reading(torch.nn.Module):
+    """A layer that attends from its queries to tokens it is given, as a BEV encoder's layers read the cameras'."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x, tokens):
+        return x + torch.tanh(self.q(x) @ self.k(tokens).T / 8) @ tokens / 8
+
+
+@gpu
+def test_modules_given_the_same_tensor_read_one_copy_of_it(deterministic):
+    """Layers that all read the same tokens read one copy of them, written once a step; a step that gives the last
+    layer other tokens runs it eagerly, with a warning, instead of writing over the tokens the earlier layers
+    saved for their backwards: the weights equal eager's either way."""
+    torch.manual_seed(11)
+    eager = torch.nn.ModuleDict(
+        {"tokens": torch.nn.Linear(64, 64), "layers": torch.nn.ModuleList(Reading() for _ in range(3))}
+    )
+    graphed = copy.deepcopy(eager).cuda()
+    eager.cuda()
+    graphed.layers = torch.nn.ModuleList(CUDAGraphed(layer, warmup=1) for layer in graphed.layers)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for step in range(5):
+        x, raw = torch.randn(16, 64, device="cuda", generator=g), torch.randn(40, 64, device="cuda", generator=g)
+        other = step == 4
+        for model, opt in zip((eager, graphed), opts):
+            tokens, h = model["tokens"](raw), x
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for i, layer in enumerate(model["layers"]):
+                    h = layer(h, tokens * 0.5 if other and i == 2 else tokens)
+            eagerly = [w for w in caught if "shares memory" in str(w.message)]
+            assert len(eagerly) == (other and model is graphed), (step, [str(w.message) for w in caught])
+            h.square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert_close_weights(eager, graphed, 1e-5)
+    read = {id(graphs.inputs[1]) for layer in graphed.layers for graphs in layer._graphs.values()}
+    assert len(read) == 1 and all(layer.captured for layer in graphed.layers)
+
+
 @gpu
 def test_replaying_out_of_capture_order_raises_before_wrong_gradients(deterministic):
     """Two blocks captured as A then B share a pool; a step that runs B's forward before A's replays A between B's
@@ -392,8 +437,9 @@ def test_a_compiled_caller_leaves_the_graphed_module_to_itself():
 
 
 class _EagerGraphs:
-    """What ``_Replay`` reads of a capture, filled by eager calls instead of graphs (CPU): its gradients are the
-    capture's memory, as a replayed backward's are; its backward is "captured" at its first call, as a real one is."""
+    """What ``_Replay`` reads of a capture, filled by eager calls instead of graphs (CPU): its parameters' gradients
+    are written into the memory a capture writes them to, each call; its backward is "captured" at its first call,
+    as a real one is."""
 
     def __init__(self, model: torch.nn.Module, x: torch.Tensor, pool: _Pool | None = None):
         self.pool = _Pool(handle=None) if pool is None else pool
@@ -403,7 +449,7 @@ class _EagerGraphs:
         self.out_needs_grad = [True]
         self.static_out = [model(x).detach()]
         self.static_grad_out = [torch.empty_like(self.static_out[0])]
-        self.static_grads = [torch.empty_like(p) for p in self.params]
+        self.input_grads, self.param_grads = [], _gradient_memory(self.params)
         self.forward_graph = SimpleNamespace(replay=lambda: None)  # the output is computed once, above
         self.backward_graph = SimpleNamespace(replay=self.backward)  # not None: no random state to keep
         self.captured_backward = False
@@ -417,8 +463,8 @@ class _EagerGraphs:
     def backward(self) -> None:
         with torch.enable_grad():
             grads = torch.autograd.grad(self.model(self.x), self.params, self.static_grad_out)
-        for static, g in zip(self.static_grads, grads):
-            static.copy_(g)
+        for memory, g in zip(self.param_grads, grads):
+            memory.copy_(g)
 
 
 class _Replayed(torch.nn.Module):
@@ -463,17 +509,70 @@ def _ddp_buckets_case():
     for p, g in zip(model.parameters(), reference):
         torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=0)
         assert p.grad.data_ptr() == run.current().bucket_views[p].data_ptr() and p.grad.stride() == p.stride()
-    replayed(x).sum().backward()  # .grad set: added to, in the bucket
+    (3 * replayed(x).sum()).backward()  # .grad set: added to, in the bucket
     for p, g in zip(model.parameters(), reference):
-        torch.testing.assert_close(p.grad, 2 * g, rtol=1e-6, atol=0)
+        torch.testing.assert_close(p.grad, 4 * g, rtol=1e-6, atol=0)
 
 
 def test_replayed_gradients_land_in_ddp_buckets_with_one_copy():
-    """A replay's gradients are copied once, into DDP's buckets (``noting_bucket_views`` wraps the comm hook), where
-    autograd adopts them and DDP finds them: no copy under ``AccumulateGrad`` (autograd's copy out of the graph's
-    memory into a new ``.grad``, then DDP's into its bucket, as before). Gradients equal, ``.grad`` in the bucket;
-    with ``.grad`` set (accumulation) they add as usual."""
+    """A replayed backward writes the parameters' gradients into DDP's buckets (``noting_bucket_views`` wraps the
+    comm hook), where autograd adopts them and DDP finds them: no copy under ``AccumulateGrad`` (there, autograd's
+    copy out of the graph's memory into a new ``.grad``). Gradients equal, ``.grad`` in the bucket; with ``.grad``
+    set (accumulation) they add as usual."""
     run_spmd(_ddp_buckets_case, 1)  # a rank of its own: the parent never initialises a process group
+
+
+def _accumulation_case():
+    torch.manual_seed(3)
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    replayed = _Replayed(model, _EagerGraphs(model, x))
+    replayed(x).sum().backward()
+    assert [p.grad.data_ptr() for p in model.parameters()] == [m.data_ptr() for m in replayed.graphs.param_grads]
+    (3 * replayed(x).sum()).backward()
+    for p, g in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.grad, 4 * g, rtol=1e-6, atol=0)
+
+
+def test_accumulated_gradients_are_moved_out_of_the_next_replays_way():
+    """Without DDP a replay's parameter gradients are memory of the capture's own, which autograd adopts as
+    ``.grad``; a second backward before ``zero_grad`` (accumulation) writes that memory again, so the ``.grad``
+    there is moved out of its way first and added to: both backwards' sum, as eagerly."""
+    run_spmd(_accumulation_case, 1)  # a rank of its own: a backward in the parent breaks later forks
+
+
+def test_captures_given_the_same_tensor_read_one_copy_written_once_a_step():
+    """The bookkeeping of shared static inputs (``_Pool.static_input``, ``_Pool.load``), on CPU: captures of one
+    step given the same tensor read one copy of it, written by the first call of each step only; memory that
+    another member still needs (its forward replayed, its backward not yet) is not written over, for another
+    tensor or for the same one changed in place: that call is refused."""
+    pool, tokens, inputs = _Pool(handle=None), torch.randn(5, 4), []
+    for _ in range(3):  # the capture step: each capture joins, gets its memory, loads its call, replays
+        member = pool.join()
+        inputs.append(pool.static_input(tokens, member))
+        assert pool.load(member, inputs[-1:], [tokens])
+        pool.replaying(member, "forward")
+    shared = inputs[0]
+    assert inputs == [shared] * 3 and shared.readers == [0, 1, 2]
+    for member in (2, 1, 0):
+        pool.replaying(member, "backward")
+    fresh = torch.randn(5, 4)
+    for member in (0, 1):  # the next step: the first call writes, the second finds the tensor there
+        assert pool.load(member, [shared], [fresh])
+        assert shared.written_at == pool.clock if member == 0 else shared.written_at < pool.clock
+        pool.replaying(member, "forward")
+    assert not pool.load(2, [shared], [fresh * 0.5])  # the others still need what the memory holds
+    torch.testing.assert_close(shared.memory, fresh, rtol=0, atol=0)
+    for member in (1, 0):
+        pool.replaying(member, "backward")
+    assert pool.load(0, [shared], [fresh])
+    pool.replaying(0, "forward")
+    fresh.add_(1)  # changed in place since member 0 read it
+    assert not pool.load(1, [shared], [fresh])
+    pool.replaying(0, "backward")
+    assert pool.load(1, [shared], [fresh])
+    torch.testing.assert_close(shared.memory, fresh, rtol=0, atol=0)
 
 
 def _two_in_a_pool(seed: int):

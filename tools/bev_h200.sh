@@ -17,7 +17,7 @@ set -uo pipefail  # a failed stage does not stop the next
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)"
 OUT=${OUT:-.}
 BIN=$(dirname "$(command -v python3)")
-python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" hydra-core omegaconf torchdata
+python3 -m pip install -q --no-index --no-deps --find-links "${WHEELS:-.whl}" hydra-core omegaconf antlr4-python3-runtime torchdata pyyaml
 case "${1:-memory}" in
   memory)
     python3 -m pytest -q -p no:cacheprovider tests/ops/test_sample.py -x --tb=short 2>&1 | grep -E "^E |passed|failed" | head -12
