@@ -18,8 +18,9 @@ capture; once the parameters are no longer where the capture saw them, it captur
 is frozen at capture: the forward must be a function of its tensor inputs, parameters and buffers (Python-side
 randomness or step counters are not replayed; torch's CUDA random numbers are). Outputs live in the graph's
 memory; a replay returns copies of them. The parameters' gradients are written outside the graphs' memory, into
-DDP's buckets where there are some, and handed to autograd as ``.grad``: held once, as in an eager step. Checkpoints
-do not see the wrapper: its state dict is the module's, under the same names.
+DDP's buckets where there are some, and handed to autograd as ``.grad``: held once, as in an eager step. Captures
+of one step given the same tensor (a BEV encoder's layers, the camera tokens) read one copy of it. Checkpoints do
+not see the wrapper: its state dict is the module's, under the same names.
 
 Memory: the captures made in one training step, up to its first replayed backward, share one pool (``_Pool``), so
 that what one graph only needs while it replays (its temporaries) is memory the next graph reuses, as in an eager
