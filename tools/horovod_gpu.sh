@@ -13,7 +13,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)"
 OUT=${OUT:-.}
 BIN=$(dirname "$(command -v python3)")
-python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" hydra-core omegaconf torchdata
+python3 -m pip install -q --no-index --no-deps --find-links "${WHEELS:-.whl}" hydra-core omegaconf antlr4-python3-runtime torchdata pyyaml
 if ! python3 -c "import horovod.torch" 2>/dev/null; then
   if ! python3 -m lightning_spatial.install_horovod --from "${WHEELS:-.whl}" > "$OUT/horovod_build.log" 2>&1; then
     grep -n "error" "$OUT/horovod_build.log" | head -20; tail -5 "$OUT/horovod_build.log"; exit 1

@@ -7,7 +7,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)" OMP_NUM_THREADS=2
 OUT=${OUT:-.} RUNS=${RUNS:-/tmp/petr_sweep} DEV=${DEV:-cuda:0} ACC=${ACC:-gpu}
-python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" hydra-core omegaconf torchdata 2>/dev/null
+python3 -m pip install -q --no-index --no-deps --find-links "${WHEELS:-.whl}" hydra-core omegaconf antlr4-python3-runtime torchdata pyyaml 2>/dev/null
 common="experiment=bev_cpu strategy=single strategy.device=$DEV ~strategy.spatial_size trainer.accelerator=$ACC
   trainer.devices=1 trainer.max_epochs=100000 ++trainer.max_time=00:00:$(printf %02d "${MINUTES:-7}"):00
   ++trainer.check_val_every_n_epoch=${VAL_EVERY:-5} trainer.enable_progress_bar=false trainer.log_every_n_steps=20
