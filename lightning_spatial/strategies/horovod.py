@@ -25,7 +25,7 @@ import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
@@ -168,6 +168,9 @@ class HorovodStrategy(ParallelStrategy):
             if value is not None:
                 os.environ[key] = str(value)
         hvd.init()
+        # horovodrun sets no RANK that Lightning reads at import: without this every rank would act as rank zero
+        # (loggers writing one file from two processes, messages printed twice)
+        rank_zero_only.rank = self.global_rank
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
         super().setup_environment()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning_spatial  # noqa: E402
@@ -84,6 +85,7 @@ def main() -> None:
         assert check.checked == trainer.global_step, (check.checked, trainer.global_step)
         assert trainer.strategy._buckets is None, "the buckets' hooks outlived fit"  # teardown removed them
         assert not any(type(opt).__module__.startswith("horovod") for opt in trainer.strategy.optimizers)
+    assert rank_zero_only.rank == trainer.global_rank, "rank zero's logging and printing would run on every rank"
     # every rank must hold the same weights, and report the same synchronised metrics
     gathered = trainer.strategy.all_gather(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(gathered[0], gathered[1]), "weights differ between Horovod ranks"
