@@ -182,7 +182,7 @@ class _StaticInput:
         self.source: weakref.ref | None = None  # the tensor last written here, its version and the pool's clock
         self.version = self.written_at = -1
 
-    def holds(self, a: torch.Tensor, since: int = -1) -> bool:
+    def holds(self, a: torch.Tensor, since: int) -> bool:
         """Whether the memory holds ``a`` as it is now, written at or after the pool's clock read ``since``."""
         held = self.source is not None and self.source() is a
         return held and _version(a) == self.version and self.written_at >= since
@@ -424,12 +424,8 @@ def _gradient_memory(params: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     (autograd adopts it too). Outside the graphs' pool, so the gradients are held once, not once there and once
     in ``.grad``; the next replay writes the same memory again (``_out_of_the_way``)."""
     views = run.current().bucket_views
-    layout = [(p.shape, p.stride(), p.dtype, p.device) for p in params]
     found = [views.get(p) for p in params]
-    return [
-        v if v is not None and (v.shape, v.stride(), v.dtype, v.device) == at else torch.empty_like(p)
-        for p, v, at in zip(params, found, layout)
-    ]
+    return [v if v is not None and _same_layout(v, p) else torch.empty_like(p) for p, v in zip(params, found)]
 
 
 def _moving_into(memory: torch.Tensor, index: int, reached: set[int]) -> Callable:
