@@ -147,6 +147,17 @@ def _strides_like(strides: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int
     return tuple(out)
 
 
+@planned
+def _non_overlapping(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether no two elements of a tensor of this shape and strides share memory (not expanded)."""
+    extent = 1  # the span of the inner dims, in elements
+    for size, stride in sorted(((z, t) for z, t in zip(shape, strides) if z > 1), key=lambda d: d[1]):
+        if stride < extent:
+            return False
+        extent = stride * (size - 1) + extent
+    return True
+
+
 def _count_sent(sends: list[tuple[int, torch.Tensor]]) -> None:
     """Add the bytes of ``sends`` to every entered ``run.counting_halo_bytes`` block (of any run)."""
     counters = [c for r in run._RUNS for c in r.halo_counters]
@@ -201,7 +212,7 @@ def _in_runs(x, dim, pieces, received: list[torch.Tensor], padding) -> list[torc
     return [_select(x, dim, p) if isinstance(p, range) else padding if p is None else received[p] for p in pieces]
 
 
-def _window_grad(grad: torch.Tensor, plan: _Plan, dim: int, group, local_shape) -> torch.Tensor:
+def _window_grad(grad: torch.Tensor, plan: _Plan, dim: int, group, local_shape, own_grad: bool) -> torch.Tensor:
     """The adjoint of ``_window``: each window row's gradient is added to the row it was read from."""
     sends = [(j, _select(grad, dim, pos).contiguous()) for j, pos, _ in plan.recvs]
     recvs = [(j, grad.new_empty(_shape(grad, dim, _count(rows)))) for j, rows in plan.sends]
@@ -209,8 +220,12 @@ def _window_grad(grad: torch.Tensor, plan: _Plan, dim: int, group, local_shape) 
     _p2p(group, sends, recvs)
     n = local_shape[dim]
     if plan.local is not None and plan.local[1] == range(0, n) and isinstance(plan.local[0], range):
-        # the window holds all our rows in order (a conv halo): one copy instead of zero-fill + add
-        grad_x = _select(grad, dim, plan.local[0]).clone(memory_format=torch.preserve_format)
+        # the window holds all our rows in order (a conv halo): our rows of its gradient, a view where that
+        # gradient is ours to write (``own_grad``, and no element aliases another), else one copy; the halos'
+        # gradients are then added to its border rows, which the sends above did not read
+        grad_x = _select(grad, dim, plan.local[0])
+        if not (own_grad and _non_overlapping(tuple(grad.shape), grad.stride())):
+            grad_x = grad_x.clone(memory_format=torch.preserve_format)
     else:
         grad_x = empty_as(grad, list(local_shape)).zero_()
         if plan.local is not None:
@@ -222,14 +237,15 @@ def _window_grad(grad: torch.Tensor, plan: _Plan, dim: int, group, local_shape) 
 
 class _FetchWindow(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: _Plan, dim: int, shard: DimShard, fill: float) -> torch.Tensor:
-        ctx.plan, ctx.dim, ctx.group, ctx.local_shape = plan, dim, shard.axis.group, x.shape
+    def forward(ctx, x: torch.Tensor, plan: _Plan, dim: int, shard: DimShard, fill: float, own_grad: bool):
+        ctx.plan, ctx.dim, ctx.group, ctx.local_shape, ctx.own_grad = plan, dim, shard.axis.group, x.shape, own_grad
         return _window(x, plan, dim, ctx.group, fill)
 
     @staticmethod
     @once_differentiable  # the messages carry no graph: a second derivative would miss the neighbours' terms
     def backward(ctx, grad: torch.Tensor):
-        return _window_grad(grad, ctx.plan, ctx.dim, ctx.group, ctx.local_shape), None, None, None, None
+        grad_x = _window_grad(grad, ctx.plan, ctx.dim, ctx.group, ctx.local_shape, ctx.own_grad)
+        return grad_x, None, None, None, None, None
 
 
 # The window under torch.compile: its copies are traced as tensor ops (the compiler fuses them, and its autograd
@@ -349,12 +365,15 @@ def fetch_window(
     windows: Sequence[tuple[int, int]],
     mode: str = "zeros",
     fill: float = 0.0,
+    own_grad: bool = False,
 ) -> torch.Tensor:
     """Rows ``windows[me]`` of the global dim ``shard.dim`` of local shard ``x``, padded per ``mode``.
 
     ``windows`` holds every rank's window along ``shard.axis`` (the same list on every rank). Positions
     outside ``[0, n)`` read the row ``mode`` maps them to, or ``fill`` for zeros/constant padding.
-    Differentiable: the window's gradient is scatter-added back to the rows' owners.
+    Differentiable: the window's gradient is scatter-added back to the rows' owners. ``own_grad``: the window's
+    only consumer hands backward a gradient nothing else reads (a convolution's input gradient), so ``x``'s
+    gradient may be a view of it, written in place, instead of a copy.
     """
     plan = _plan(shard.size, shard.axis.size, shard.axis.index, tuple(map(tuple, windows)), mode)
     if plan.view is not None:
@@ -363,7 +382,7 @@ def fetch_window(
         return _traced_window(x, plan, shard.dim, list(shard.axis.ranks), fill)
     if not (x.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the autograd Function's cost
         return _window(x, plan, shard.dim, shard.axis.group, fill)
-    return _FetchWindow.apply(x, plan, shard.dim, shard, fill)
+    return _FetchWindow.apply(x, plan, shard.dim, shard, fill, own_grad)
 
 
 __all__ = ["empty_as", "fetch_window"]

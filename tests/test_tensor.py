@@ -77,6 +77,36 @@ def test_fetch_window(n, windows, mode, compiled):
     run_spmd(_window_case, len(windows), n, windows, mode, compiled)
 
 
+def _shared_gradient_case(own_grad):
+    """A window whose gradient another tensor reads too (``window + other``: the add hands both the same tensor)
+    takes a copy of its rows; with ``own_grad`` (a convolution's fresh input gradient) the rows are a view of it,
+    the halos' gradients added in place. The rows' gradient is right either way."""
+    torch.manual_seed(4)
+    n, halo = 12, 2
+    full = torch.randn(2, n, dtype=torch.float64)
+    x = shard(full, {-1: Axis.from_group()})
+    s = x.shard_layout.shards[0]
+    windows = [(a - halo, b + halo) for a, b in s.bounds]
+    upstream = torch.randn(s.axis.size, 2, n // 2 + 2 * halo, dtype=torch.float64)  # every rank's, alike
+    local = x.to_local().clone().requires_grad_()
+    other = torch.zeros(upstream.shape[1:], dtype=torch.float64, requires_grad=True)
+    reader = other.clone()  # created first, its backward runs after the fetch's and reads what that left
+    window = fetch_window(local, s, windows, own_grad=own_grad)
+    ((window + reader) * 1).backward(upstream[s.axis.index])  # ``* 1``: the add's gradient is fresh and dense
+    assert torch.equal(other.grad, upstream[s.axis.index]) != own_grad  # written in place only when owned
+    grad_full = torch.zeros_like(full)
+    for r, (a, b) in enumerate(windows):
+        inside = slice(max(a, 0) - a, min(b, n) - a)
+        grad_full[:, max(a, 0) : min(b, n)] += upstream[r, :, inside]
+    a, b = s.bounds[s.axis.index]
+    assert_rel_close(local.grad, grad_full[:, a:b], "window gradient")
+
+
+@pytest.mark.parametrize("own_grad", [False, True])
+def test_a_window_gradient_read_by_others_is_not_written(own_grad):
+    run_spmd(_shared_gradient_case, 2, own_grad)
+
+
 def _elementwise_case(layout):
     torch.manual_seed(2)
     x, y, gate, bias = torch.randn(2, 4, 6, 11), torch.randn(2, 4, 6, 11), torch.randn(2, 4, 1, 1), torch.randn(4, 1, 1)

@@ -111,11 +111,12 @@ class Windows:
         s, windows = next((s, w) for j, s, w in self.dims if j == i)
         return windows[s.axis.index][0]
 
-    def fetch(self, x: torch.Tensor, mode: str = "zeros", fill: float = 0.0) -> torch.Tensor:
+    def fetch(self, x: torch.Tensor, mode: str = "zeros", fill: float = 0.0, own_grad: bool = False) -> torch.Tensor:
         """This rank's windows, one dim after the other, so 2-D tiles receive their corners from the
-        already widened tensor."""
+        already widened tensor. ``own_grad``: see ``fetch_window`` (a widened tensor's gradient is then the next
+        fetch's own too)."""
         for _, s, windows in self.dims:
-            x = fetch_window(x, s, windows, mode, fill)
+            x = fetch_window(x, s, windows, mode, fill, own_grad)
         return x
 
 

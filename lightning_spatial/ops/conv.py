@@ -103,7 +103,7 @@ def _convolution(nd: int):
             return adopt(_CONV[nd](x, weight, bias, stride, plan.padding, dilation, groups), plan.layout)
 
         def window() -> torch.Tensor:
-            w = plan.windows.fetch(x)
+            w = plan.windows.fetch(x, own_grad=True)  # the conv's input gradient is fresh, read by no one else
             return w if plan.pad is None else F.pad(w, plan.pad)
 
         w = window()
