@@ -125,6 +125,9 @@ def parse() -> argparse.Namespace:
         help="torch.compile the model (inductor) in our spatial step, or in it and the shard-only baseline",
     )
     p.add_argument("--compile-mode", default=None, help="torch.compile's mode (default, max-autotune-no-cudagraphs)")
+    p.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile's backend (aot_eager: no code generated)"
+    )
     return p.parse_args()
 
 
@@ -186,12 +189,12 @@ def train_step(task, model, optimizer, make_input, precision: str, device: torch
     return step
 
 
-def build(task, device, ckpt: bool, graphed: bool = False, compiled: bool = False, mode: str | None = None):
+def build(task, device, ckpt: bool, graphed: bool = False, compiled: bool = False, mode=None, backend="inductor"):
     torch.manual_seed(0)
     model = task.build(device, ckpt)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if compiled:
-        model = torch.compile(model, mode=mode)
+        model = torch.compile(model, backend=backend, mode=mode)
     if graphed:
         model = CUDAGraphed(model, warmup=1)
     return model, optimizer
@@ -242,6 +245,7 @@ def _run_config(args, device, width: int, s: int, layout: str, precision: str, c
         "zero_grad": args.zero_grad,
         "graphs": args.graphs,
         "compile": args.compile,
+        "compile_backend": args.compile_backend,
         "bev_shard": args.bev_shard,
         "bev_size": args.bev_size,
     }
@@ -254,7 +258,8 @@ def _run_config(args, device, width: int, s: int, layout: str, precision: str, c
         )
 
     def alone() -> tuple[float, float, float]:
-        model, opt = build(task, device, ckpt, args.graphs == "both", args.compile == "both", args.compile_mode)
+        compiled = args.compile == "both"
+        model, opt = build(task, device, ckpt, args.graphs == "both", compiled, args.compile_mode, args.compile_backend)
         row.setdefault("bev_encoder", tasks.bev_encoder(model))
         step = train_step(task, model, opt, make_input(alone_shape), precision, device, args.zero_grad)
         result = measure(step, device, args.steps, args.warmup)
@@ -286,7 +291,8 @@ def _run_config(args, device, width: int, s: int, layout: str, precision: str, c
     if sw > 1:
         shards.append(DimShard(-1, Axis.from_group(mesh.get_group("spatial_w")), width))
     layout_obj = Layout(tuple(shards)) if shards else None
-    model, opt = build(task, device, ckpt, args.graphs != "none", args.compile != "none", args.compile_mode)
+    compiled = args.compile != "none"
+    model, opt = build(task, device, ckpt, args.graphs != "none", compiled, args.compile_mode, args.compile_backend)
     row.setdefault("bev_encoder", tasks.bev_encoder(model))
     gradients_laid_out_like_parameters(model)  # as spatial_tp does: no stride warning or gradient copy in DDP
     ddp = torch.nn.parallel.DistributedDataParallel(

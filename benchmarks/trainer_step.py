@@ -75,6 +75,9 @@ def parse() -> argparse.Namespace:
         "that submodule in place, which --cuda-graphs may then capture",
     )
     p.add_argument("--compile-mode", default=None, help="torch.compile's mode (default, max-autotune-no-cudagraphs)")
+    p.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile's backend (aot_eager: no code generated)"
+    )
     p.add_argument("--compression", default="none", help="horovod: none | fp16")
     p.add_argument("--fusion-mb", type=float, default=None, help="horovod: tensor fusion buffer (MiB)")
     p.add_argument("--cycle-ms", type=float, default=None, help="horovod: cycle time (ms)")
@@ -221,8 +224,10 @@ def measure(args, plugins: list) -> dict:
         plugins=plugins,
     )
     if args.compile and args.compile != "module":
-        model.get_submodule(args.compile).compile(mode=args.compile_mode)
-    trainer.fit(torch.compile(model, mode=args.compile_mode) if args.compile == "module" else model, loader)
+        model.get_submodule(args.compile).compile(backend=args.compile_backend, mode=args.compile_mode)
+    if args.compile == "module":
+        model = torch.compile(model, backend=args.compile_backend, mode=args.compile_mode)
+    trainer.fit(model, loader)
     device = trainer.strategy.root_device
     cuda = device.type == "cuda"
     return {

@@ -56,14 +56,17 @@ def test_benchmark_smoke_on_cpu(tmp_path):
 
 
 def test_compiled_benchmark_smoke_on_cpu(tmp_path):
-    """``--compile both``: inductor compiles the shard-only model and our spatial step (one rank of a fake group)."""
+    """``--compile both``: torch.compile traces the shard-only model and our spatial step (one rank of a fake group);
+    ``aot_eager`` generates no code (inductor through shards: tests/test_compile.py)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "spatial_step.py"), "--device", "cpu", "--model", "convnext_atto"]
     cmd += ["--batch", "1", "--height", "64", "--widths", "256", "--spatial", "2", "--compile", "both"]
+    cmd += ["--compile-backend", "aot_eager"]
     cmd += ["--steps", "1", "--warmup", "1", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (row,) = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    assert row["compile"] == "both" and row["ours_ms"] > 0 and row["shard_ms"] > 0 and row["halo_mib_per_step"] > 0
+    assert row["compile"] == "both" and row["compile_backend"] == "aot_eager"
+    assert row["ours_ms"] > 0 and row["shard_ms"] > 0 and row["halo_mib_per_step"] > 0
 
 
 def test_benchmark_under_torchrun(tmp_path):
@@ -176,8 +179,9 @@ def test_trainer_benchmark_trains_the_bev_detectors_with_the_bev_sharded(tmp_pat
     "strategy, compiled", [("spatial_tp", ""), ("spatial_tp", "module"), ("spatial_tp", "backbone"), ("ddp", "")]
 )
 def test_trainer_benchmark_under_torchrun(strategy, compiled, tmp_path):
-    """Step time through the Trainer (module, DataLoader, collate hook) on 2 gloo ranks, eager or compiled
-    (inductor: the whole module, or the backbone in place under ``--cuda-graphs``); no timing is asserted."""
+    """Step time through the Trainer (module, DataLoader, collate hook) on 2 gloo ranks, eager or compiled (the whole
+    module, traced by ``aot_eager``: no code generated; or the backbone in place by inductor under ``--cuda-graphs``);
+    no timing is asserted."""
     args = [
         "--accelerator",
         "cpu",
@@ -193,11 +197,13 @@ def test_trainer_benchmark_under_torchrun(strategy, compiled, tmp_path):
     profile = ["--profile"] if strategy == "ddp" else []
     graphs = ["--cuda-graphs", "backbone"] if strategy == "spatial_tp" and compiled != "module" else []  # eager on CPU
     compile_ = ["--compile", compiled] if compiled == "backbone" else ["--compile"] if compiled else []
+    compile_ += ["--compile-backend", "aot_eager"] if compiled == "module" else []
     steps = ["--steps", "2", "--warmup", "1", "--out", str(tmp_path)]
     torchrun_2("benchmarks/trainer_step.py", *args, *profile, *graphs, *compile_, *steps)
     (row,) = [json.loads(line) for line in (tmp_path / "bench_trainer.jsonl").read_text().splitlines()]
     assert row["world"] == 2 and row["strategy"] == strategy and row["step_ms"] > 0 and row["compile"] == compiled
     assert (row["compiled_graphs"] > 0) == bool(compiled)
+    assert row["compile_backend"] == ("aot_eager" if compiled == "module" else "inductor")
     assert row["cuda_graphs"] == ("auto" if strategy == "ddp" or compiled == "module" else "backbone")
     assert row["step_ms_range"][0] <= row["step_ms"] <= row["step_ms_range"][1]
     assert row["threads"] == 1  # torchrun's OMP_NUM_THREADS=1
