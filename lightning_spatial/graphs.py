@@ -37,6 +37,7 @@ with its forward.
 
 from __future__ import annotations
 
+import gc
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -200,10 +201,14 @@ def _version(a: torch.Tensor) -> int:
 
 @contextmanager
 def _capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
-    """``torch.cuda.graph``; where the capture fails, the thread's stream is made current again and the CUDA random
-    number generator leaves capture mode (a capture that ends does that), so that eager code can run after it:
-    a failed ``torch.cuda.graph`` leaves both as they were inside it (torch 2.11)."""
-    stream = torch.cuda.current_stream()
+    """``torch.cuda.graph`` with Python's automatic garbage collection held off: a collection during the capture that
+    frees a dead cycle holding another CUDA graph (an earlier model's) destroys that graph mid-capture, which CUDA
+    forbids, and the capture fails (torch no longer collects before a capture). Where the capture fails, the thread's
+    stream is made current again and the CUDA random number generator leaves capture mode (a capture that ends does
+    that), so that eager code can run after it: a failed ``torch.cuda.graph`` leaves both as they were inside it
+    (torch 2.11)."""
+    stream, collecting = torch.cuda.current_stream(), gc.isenabled()
+    gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             yield
@@ -212,6 +217,9 @@ def _capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
         with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
             torch.zeros(1, device=stream.device)
         raise
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class _Graphs:

@@ -4,6 +4,7 @@ graph cannot be captured (CPU, no autograd)."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
@@ -343,6 +344,45 @@ def test_keyword_inputs_and_a_bounded_number_of_captures():
                 x, scale = torch.randn(1, 3, 8, width, device="cuda"), torch.randn(4, 1, 1, device="cuda")
                 torch.testing.assert_close(graphed(x, scale=scale), eager(x, scale=scale), rtol=1e-5, atol=1e-6)
     assert len(graphed._graphs) == 2
+
+
+class CollectsWhileCaptured(torch.nn.Module):
+    """Hands the last reference to another CUDA graph to a dead cycle, then allocates with the collector's threshold
+    at 1, inside its capture: what an automatic collection does when it falls there."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph):
+        super().__init__()
+        self.linear, self.graph = torch.nn.Linear(8, 8), [graph]
+
+    def forward(self, x):
+        if torch.cuda.is_current_stream_capturing() and self.graph:
+            cycle = [self.graph.pop()]
+            cycle.append(cycle)
+            del cycle
+            threshold = gc.get_threshold()
+            gc.set_threshold(1)
+            try:
+                _ = [[] for _ in range(64)]
+            finally:
+                gc.set_threshold(*threshold)
+        return self.linear(x)
+
+
+@gpu
+def test_an_earlier_graph_left_to_the_collector_does_not_fail_a_capture():
+    """A model's dead graphs freed by a collection during another's capture would destroy a graph inside it, which
+    CUDA refuses (the capture then fails): the capture holds automatic collection off."""
+    old, x = torch.cuda.CUDAGraph(), torch.randn(4, device="cuda")
+    with torch.cuda.graph(old):
+        x.mul_(2)
+    graphed = CUDAGraphed(CollectsWhileCaptured(old).cuda(), warmup=1)
+    del old
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            graphed(torch.randn(2, 8, device="cuda", requires_grad=True)).sum().backward()
+    assert graphed.captured, [str(w.message) for w in caught]
+    assert not graphed.module.graph and gc.isenabled()
 
 
 def test_off_cuda_and_without_autograd_it_runs_eagerly():
