@@ -30,6 +30,7 @@ The hooks, each small, on the core that the Fabric strategy (``lightning_spatial
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
@@ -169,6 +170,7 @@ class SpatialParallelStrategy(DDPStrategy):
         self._bev_shard = bev_shard
         # "auto": chosen after watching the first training step (lightning_spatial.capture); names: wrapped at setup
         self._auto_graphs = cuda_graphs == "auto"
+        self._cache_released: weakref.WeakSet = weakref.WeakSet()  # optimizers whose first step gave it back
         self._cuda_graphs = graph_names(cuda_graphs)
         self._user_comm_hook = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         self.dims: SpatialDims | None = None
@@ -287,6 +289,18 @@ class SpatialParallelStrategy(DDPStrategy):
         register_comm_hook(self.model, self.dims, self._user_comm_hook, replays)
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """With CUDA graphs, the caching allocator gives back what the step's activations left free before each
+        optimizer's first step allocates its state (AdamW: two tensors per parameter): the state then takes segments
+        of its own instead of pinning the activations' ones, which the eager allocator would keep reserved, mostly
+        free, once the activations live in the graphs' pool."""
+        graphs = self._cuda_graphs or self._auto_graphs
+        if self.root_device.type == "cuda" and graphs and optimizer not in self._cache_released:
+            self._cache_released.add(optimizer)  # once: a stateless optimizer (plain SGD) would sync every step
+            closure = _releasing_cache_after(closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
     def backward(
         self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
@@ -402,3 +416,12 @@ class _InProcessLauncher(_SubprocessScriptLauncher):
 
 
 __all__ = ["SpatialParallelStrategy"]
+
+
+def _releasing_cache_after(closure: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        out = closure()
+        torch.cuda.empty_cache()
+        return out
+
+    return run
