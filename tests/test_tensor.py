@@ -52,13 +52,18 @@ def _window_case(n, windows, mode, compiled):
     expected = torch.stack([full[:, i] if i >= 0 else torch.zeros(2, dtype=full.dtype) for i in rows], -1)
     assert torch.equal(out.detach(), expected)
     (out * upstream[axis.index, :, : b - a]).sum().backward()
-    grad_full = torch.zeros_like(full)  # every rank's upstream gradient, scattered to the rows it read
-    for r, (ra, rb) in enumerate(windows):
-        for j, p in enumerate(range(ra, rb)):
+    lo, hi = partition(n, axis.size)[axis.index]
+    assert_rel_close(local.grad, _scattered(upstream, windows, n, mode)[:, lo:hi], "window gradient")
+
+
+def _scattered(upstream: torch.Tensor, windows, n: int, mode: str = "zeros") -> torch.Tensor:
+    """Every rank's upstream gradient of its window (``upstream[rank]``), added to the rows the window read."""
+    grad_full = upstream.new_zeros(upstream.shape[1], n)
+    for r, (a, b) in enumerate(windows):
+        for j, p in enumerate(range(a, b)):
             if source_index(p, n, mode) >= 0:
                 grad_full[:, source_index(p, n, mode)] += upstream[r, :, j]
-    lo, hi = partition(n, axis.size)[axis.index]
-    assert_rel_close(local.grad, grad_full[:, lo:hi], "window gradient")
+    return grad_full
 
 
 @pytest.mark.parametrize(
@@ -89,17 +94,13 @@ def _shared_gradient_case(own_grad):
     windows = [(a - halo, b + halo) for a, b in s.bounds]
     upstream = torch.randn(s.axis.size, 2, n // 2 + 2 * halo, dtype=torch.float64)  # every rank's, alike
     local = x.to_local().clone().requires_grad_()
-    other = torch.zeros(upstream.shape[1:], dtype=torch.float64, requires_grad=True)
+    other = torch.randn(upstream.shape[1:], dtype=torch.float64, requires_grad=True)
     reader = other.clone()  # created first, its backward runs after the fetch's and reads what that left
     window = fetch_window(local, s, windows, own_grad=own_grad)
     ((window + reader) * 1).backward(upstream[s.axis.index])  # ``* 1``: the add's gradient is fresh and dense
     assert torch.equal(other.grad, upstream[s.axis.index]) != own_grad  # written in place only when owned
-    grad_full = torch.zeros_like(full)
-    for r, (a, b) in enumerate(windows):
-        inside = slice(max(a, 0) - a, min(b, n) - a)
-        grad_full[:, max(a, 0) : min(b, n)] += upstream[r, :, inside]
     a, b = s.bounds[s.axis.index]
-    assert_rel_close(local.grad, grad_full[:, a:b], "window gradient")
+    assert_rel_close(local.grad, _scattered(upstream, windows, n)[:, a:b], "window gradient")
 
 
 @pytest.mark.parametrize("own_grad", [False, True])
