@@ -51,7 +51,8 @@ from lightning_spatial.primitives import (
     partition,
     wrap,
 )
-from lightning_spatial.run import Run, entered
+from lightning_spatial.run import Run, current, entered
+from lightning_spatial.strategies._scopes import cutting_bev_planes
 
 GIB = 2**30
 
@@ -71,6 +72,13 @@ def parse() -> argparse.Namespace:
         choices=["none", "x", "y", "xy"],
         help="where a BEV detector's grid ends after its splat: replicated (none) or sharded over its cells "
         "(SpatialParallelStrategy(bev_shard=...))",
+    )
+    p.add_argument(
+        "--bev-planes",
+        default="model",
+        choices=["model", "none"],
+        help="with --bev-shard: the model's parameters that are a BEV grid (BEVFormer's learned queries) cut to the "
+        "rank's cells (SpatialParallelStrategy(bev_planes=...)), or none",
     )
     p.add_argument(
         "--bev-size",
@@ -247,6 +255,7 @@ def _run_config(args, device, width: int, s: int, layout: str, precision: str, c
         "compile": args.compile,
         "compile_backend": args.compile_backend,
         "bev_shard": args.bev_shard,
+        "bev_planes": args.bev_planes if args.bev_shard != "none" else "none",
         "bev_size": args.bev_size,
     }
     gen = torch.Generator(device=device).manual_seed(rank)
@@ -303,6 +312,9 @@ def _run_config(args, device, width: int, s: int, layout: str, precision: str, c
     if graphed or not real:
         ddp.register_comm_hook(None, noting_bucket_views(hook) if graphed else hook)
     row["grad_allreduce_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    planes = task.bev_planes if args.bev_shard != "none" and args.bev_planes == "model" else {}
+    cut = contextlib.ExitStack()  # as the strategy does while it runs
+    cut.enter_context(cutting_bev_planes(model, planes, {d.dim: d.axis for d in shards}, current().bev_shard))
     step = train_step(task, ddp, opt, make_input(local, layout_obj), precision, device, args.zero_grad)
     row["ours_ms"], row["ours_gib"], row["ours_reserved_gib"] = measure(step, device, args.steps, args.warmup)
     if real:  # the rank that needs most memory is the one that matters
@@ -317,6 +329,7 @@ def _run_config(args, device, width: int, s: int, layout: str, precision: str, c
         row["profile"] = every_rank(summary) if real else [summary]
         if ops is not None and "shard_profile" in row:
             row["extra_device_ms"] = extra_device_time(ops, row["shard_profile"].pop("op_device_ms"))
+    cut.close()
     del ddp, model, opt, step
     free(device)
     if baseline:  # time the baseline again after ours: the ratio uses the faster of its two runs

@@ -17,6 +17,7 @@ import torch
 
 class ImageTask:
     baseline = "shard"
+    bev_planes: dict = {}
 
     def __init__(self, args):
         self.name, self.batch = args.model, args.batch
@@ -51,6 +52,8 @@ class DetectorTask:
         if getattr(args, "bev_encoder", None):
             self.options["bev_encoder"] = args.bev_encoder
         self.batch, self.cameras = args.batch, args.cameras
+        # parameters that are a BEV grid themselves, as conf/experiment/bevformer_*.yaml give bev_planes
+        self.bev_planes = {"bev_queries": (0, 1)} if module is BEVFormer else {}
 
     def image_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (self.batch, self.cameras, 3, height, width)

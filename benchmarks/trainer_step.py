@@ -61,6 +61,12 @@ def parse() -> argparse.Namespace:
         help="spatial_tp: auto (the default), off, or the submodules replayed as CUDA graphs, comma list (backbone)",
     )
     p.add_argument("--bev-shard", default="none", choices=["none", "x", "y", "xy"], help="spatial_tp: bev_shard")
+    p.add_argument(
+        "--bev-planes",
+        default="model",
+        choices=["model", "none"],
+        help="spatial_tp with --bev-shard: bev_planes, the model's (BEVFormer's learned queries) or none",
+    )
     p.add_argument("--bev-size", default=None, help="a BEV detector's grid, X,Y (default: the model's)")
     p.add_argument("--bev-encoder", default=None, help="Lift-Splat / Simple-BEV: resnet18 (default), convs, ...")
     p.add_argument("--fake-world", type=int, default=0, help="one GPU plays one rank of a run of this many ranks")
@@ -183,7 +189,10 @@ def strategy(args):
     if args.strategy == "spatial_tp":
         graphs = {"auto": "auto", "off": False}.get(args.cuda_graphs) or args.cuda_graphs.split(",")
         bev_shard = None if args.bev_shard == "none" else args.bev_shard
-        return SpatialParallelStrategy(args.spatial or args.fake_world or None, cuda_graphs=graphs, bev_shard=bev_shard)
+        planes = tasks.task(args).bev_planes if bev_shard and args.bev_planes == "model" else None
+        return SpatialParallelStrategy(
+            args.spatial or args.fake_world or None, cuda_graphs=graphs, bev_shard=bev_shard, bev_planes=planes
+        )
     if args.strategy == "horovod":
         fusion = None if args.fusion_mb is None else int(args.fusion_mb * 2**20)
         return HorovodStrategy(

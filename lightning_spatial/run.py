@@ -24,6 +24,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 FallbackMode = Literal["warn", "error", "silent"]
 FALLBACK_MODES = ("warn", "error", "silent")
 BEV_SHARDS = (None, "x", "y", "xy")
+# which of a BEV plane's (X, Y) dims each bev_shard shards, paired in this order with the spatial axes (height's first)
+BEV_PLANE_DIMS = {"x": (0,), "y": (1,), "xy": (0, 1)}
 
 
 @dataclass(eq=False)

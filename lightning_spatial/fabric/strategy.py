@@ -46,8 +46,8 @@ from ..strategies._gradients import before_ddp, register_comm_hook, share
 from ..strategies._groups import SpatialGroups
 from ..strategies._launch import environment_kept, launch_kind, register
 from ..strategies._loaders import sharded
-from ..strategies._options import CudaGraphs, check_options, graph_names
-from ..strategies._scopes import RunScope, graphed, naming_the_layer
+from ..strategies._options import BevPlanes, CudaGraphs, check_options, graph_names
+from ..strategies._scopes import RunScope, cutting_bev_planes, graphed, naming_the_layer
 
 
 class SpatialParallelStrategy(DDPStrategy):
@@ -66,6 +66,10 @@ class SpatialParallelStrategy(DDPStrategy):
             spatial group (one all-reduce); ``"x"``, ``"y"``, ``"xy"``: sharded along the grid's X (second to last
             dim), Y (last dim) or both (2-D tiles, over the two axes of a 2-D group), by one reduce-scatter, so the
             BEV encoder and head after the splat run on 1/S of the grid (``ops.pending``). No change to the model.
+        bev_planes: with ``bev_shard``, parameters that are themselves a BEV grid (BEVFormer's learned queries), by
+            name (as ``named_parameters`` gives it) -> the dims of its X and Y, e.g. ``{"bev_queries": (0, 1)}``: read
+            as this rank's cells whenever their module runs, so the layers before the first splat or sample run on
+            1/S of the grid too. The parameters stay whole for checkpoints and the optimizer.
         cuda_graphs: which submodules' training forward and backward replay as CUDA graphs after two eager calls.
             ``"auto"`` (default): on CUDA, the largest submodules that ran once in the first training forward on
             sharded activations (image maps, their camera tokens), chosen at the first ``fabric.backward`` and
@@ -90,6 +94,7 @@ class SpatialParallelStrategy(DDPStrategy):
         fallback: FallbackMode = "warn",
         cuda_graphs: CudaGraphs = "auto",
         bev_shard: Literal["x", "y", "xy"] | None = None,
+        bev_planes: BevPlanes | None = None,
         sync_batchnorm: bool = False,
         accelerator=None,
         parallel_devices=None,
@@ -109,7 +114,7 @@ class SpatialParallelStrategy(DDPStrategy):
                 "spatial_size='auto' chooses the size from a probe of the Trainer's first training step; under Fabric "
                 "give the ranks per spatial group: an int (along shard_dim) or an (h, w) pair"
             )
-        check_options(spatial_size, shard_dim, fallback, cuda_graphs, bev_shard)
+        check_options(spatial_size, shard_dim, fallback, cuda_graphs, bev_shard, bev_planes)
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)  # no second copy of the gradients
         super().__init__(
             accelerator=accelerator,
@@ -127,6 +132,7 @@ class SpatialParallelStrategy(DDPStrategy):
         self._shard_select = shard_select
         self._fallback = fallback
         self._bev_shard = bev_shard
+        self._bev_planes = {name: tuple(dims) for name, dims in (bev_planes or {}).items()}
         self._auto_graphs = cuda_graphs == "auto"
         self._cuda_graphs = graph_names(cuda_graphs)
         self._sync_batchnorm = sync_batchnorm
@@ -184,6 +190,7 @@ class SpatialParallelStrategy(DDPStrategy):
         if self._sync_batchnorm and not self.axes:  # no sharded BatchNorm to span the data axis: torch's does
             module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         self._run.enter_context(graphed(module, self._cuda_graphs))
+        self._run.enter_context(cutting_bev_planes(module, self._bev_planes, self.axes, self._bev_shard))
         watch = self._auto_graphs and self.root_device.type == "cuda"
         if watch:
             self._first_steps.append(_FirstTrainingStep(module))

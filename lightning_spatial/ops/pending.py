@@ -31,7 +31,7 @@ from ..collectives import across, reduce_scatter
 from ..fallback import is_inplace, name_of
 from ..layout import DimShard, Layout, LayoutError
 from ..mesh import Axis
-from ..run import current
+from ..run import BEV_PLANE_DIMS, current
 from ..tensor import SpatialTensor, _dynamo_compiling, _Plain, wrap
 from .queries import GLOBAL, LOCAL
 
@@ -219,7 +219,7 @@ def resolve(p: PendingSum) -> torch.Tensor:
 def plane_dims(p: torch.Tensor) -> tuple[int, ...]:
     """The dims a pending sum is reduce-scattered along (``Run.bev_shard``): its last two if it is a BEV plane (at
     least 4 dims), none if it is smaller (then it is all-reduced, replicated)."""
-    return {"x": (-2,), "y": (-1,), "xy": (-2, -1)}.get(current().bev_shard, ()) if p.dim() >= 4 else ()
+    return tuple(d - 2 for d in BEV_PLANE_DIMS.get(current().bev_shard, ())) if p.dim() >= 4 else ()
 
 
 def _reduce(p: PendingSum) -> torch.Tensor:

@@ -3,13 +3,14 @@ strategy, before any rank starts, and with the same messages under the Trainer a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from ..mesh import SpatialDims, tiles
 from ..run import check_bev_shard, check_fallback_mode
 
 CudaGraphs = Sequence[str] | Literal["auto"] | bool
+BevPlanes = Mapping[str, Sequence[int]]  # a parameter's name -> the dims of its BEV plane's X and Y
 
 
 def check_options(
@@ -18,6 +19,7 @@ def check_options(
     fallback: str,
     cuda_graphs: CudaGraphs,
     bev_shard: str | None = None,
+    bev_planes: BevPlanes | None = None,
 ) -> None:
     """Raise ``ValueError`` naming a bad option; whether the spatial size divides the world waits for the world."""
     h, w = tiles(1 if spatial_size is None or spatial_size == "auto" else spatial_size, shard_dim)
@@ -28,6 +30,19 @@ def check_options(
         )
     check_fallback_mode(fallback)
     check_bev_shard(bev_shard)
+    if bev_planes and bev_shard is None:
+        raise ValueError(
+            f"bev_planes={dict(bev_planes)!r} cuts those parameters to the rank's cells of a sharded BEV grid: set "
+            "bev_shard ('x', 'y' or 'xy') too, or leave bev_planes out"
+        )
+    planes = bev_planes.items() if isinstance(bev_planes, Mapping) else [(bev_planes, None)] if bev_planes else []
+    for name, dims in planes:
+        pair = tuple(dims) if isinstance(dims, Iterable) and not isinstance(dims, str) else ()
+        if not isinstance(name, str) or len(pair) != 2 or not all(isinstance(d, int) for d in pair):
+            raise ValueError(
+                "bev_planes maps a parameter's name to the dims of its BEV plane's X and Y, e.g. "
+                f"{{'bev_queries': (0, 1)}} for an (X, Y, C) parameter; got {bev_planes!r}"
+            )
 
 
 def graph_names(cuda_graphs: CudaGraphs) -> tuple[str, ...]:
@@ -35,4 +50,4 @@ def graph_names(cuda_graphs: CudaGraphs) -> tuple[str, ...]:
     return () if cuda_graphs == "auto" or not cuda_graphs else tuple(cuda_graphs)
 
 
-__all__ = ["CudaGraphs", "check_options", "graph_names"]
+__all__ = ["BevPlanes", "CudaGraphs", "check_options", "graph_names"]

@@ -9,11 +9,12 @@
   error names the layer it happened in.
 - ``naming_the_layer``: a ``LayoutError`` raised inside a module's ``forward`` says which module.
 - ``graphed``: named submodules replay their training forward and backward as CUDA graphs (``CUDAGraphed``).
+- ``cutting_bev_planes``: parameters that hold a BEV plane are cut to this rank's cells whenever their module runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from types import TracebackType
 from typing import Any
@@ -23,7 +24,9 @@ from torchmetrics import Metric
 
 from ..graphs import CUDAGraphed
 from ..layout import LayoutError
-from ..run import FallbackMode, Run, current, entered
+from ..mesh import Axis
+from ..run import BEV_PLANE_DIMS, FallbackMode, Run, current, entered
+from ..tensor import shard
 
 
 class RunScope(ExitStack):
@@ -155,4 +158,75 @@ def graphed(root: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
             setattr(parent, attr, module)
 
 
-__all__ = ["MetricsOverData", "RunScope", "graphed", "module_paths", "naming_the_layer"]
+@contextmanager
+def cutting_bev_planes(
+    root: torch.nn.Module, planes: Mapping[str, Sequence[int]], axes: Mapping[int, Axis], bev_shard: str | None
+) -> Iterator[None]:
+    """Each parameter of ``root`` named in ``planes`` (name -> the dims of its X and Y) read as this rank's cells of
+    that BEV plane, sharded as ``bev_shard`` shards a splat's grid (``ops.pending``), for the run.
+
+    A grid a model holds from the start (BEVFormer's learned queries) is a parameter, replicated: without this, every
+    layer before the first one that meets a sharded grid runs on the whole grid on every rank. While the parameter's
+    module runs, an attribute of the same name holds the cut (a slice: its gradient is this rank's cells, made whole
+    by the spatial group's gradient sum, as every replicated parameter's); the parameter itself stays in place for
+    checkpoints, the optimizer and DDP. A name that is no parameter, or a plane smaller than its ranks, raises before
+    training."""
+    ordered = [axes[dim] for dim in sorted(axes)]  # height's axis first, as a splat's sums take them
+    handles = []
+    try:
+        for name, dims in planes.items() if ordered else ():
+            owner, attr, parameter = _parameter(root, name)
+            plane = [d % parameter.dim() if -parameter.dim() <= d < parameter.dim() else None for d in dims]
+            if None in plane or plane[0] == plane[1]:
+                raise ValueError(
+                    f"bev_planes gives {name!r} (shape {tuple(parameter.shape)}) the X, Y dims {tuple(dims)}: name "
+                    "two different dims of it"
+                )
+            cut = {plane[i]: axis for i, axis in zip(BEV_PLANE_DIMS[bev_shard], ordered)}
+            for dim, axis in cut.items():
+                if parameter.shape[dim] < axis.size:
+                    raise ValueError(
+                        f"bev_planes: {name!r} has {parameter.shape[dim]} cells along dim {dim} (shape "
+                        f"{tuple(parameter.shape)}), fewer than its {axis.size} ranks (bev_shard={bev_shard!r}): use "
+                        "a finer grid, fewer spatial ranks, or leave it out of bev_planes"
+                    )
+            handles += _read_as_cut(owner, attr, parameter, cut)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _parameter(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str, torch.nn.Parameter]:
+    """The module that holds parameter ``name``, its attribute name there and the parameter; else a ``ValueError``
+    naming the parameters of two dims or more beside where the name points."""
+    path, _, attr = name.rpartition(".")
+    try:
+        owner = root.get_submodule(path)
+    except AttributeError:
+        owner = None
+    parameter = owner._parameters.get(attr) if owner is not None else None
+    if parameter is None:
+        near, prefix = (owner, f"{path}.") if owner is not None and path else (root, "")
+        have = ", ".join(prefix + n for n, p in near.named_parameters(recurse=False) if p.dim() >= 2) or "none"
+        raise ValueError(
+            f"bev_planes names {name!r}, which is not a parameter of {type(root).__name__} (parameters of two dims "
+            f"or more there: {have}); name it as named_parameters() does"
+        )
+    return owner, attr, parameter
+
+
+def _read_as_cut(owner: torch.nn.Module, attr: str, parameter: torch.nn.Parameter, cut: dict[int, Axis]) -> list:
+    """Hooks that shadow ``owner.<attr>`` with the cut while ``owner`` runs: an instance attribute is found before
+    ``Module.__getattr__`` looks in the parameters."""
+
+    def before(module, args):
+        module.__dict__[attr] = shard(parameter, cut)
+
+    def after(module, args, out):
+        module.__dict__.pop(attr, None)
+
+    return [owner.register_forward_pre_hook(before), owner.register_forward_hook(after, always_call=True)]
+
+
+__all__ = ["MetricsOverData", "RunScope", "cutting_bev_planes", "graphed", "module_paths", "naming_the_layer"]

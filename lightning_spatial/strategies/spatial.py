@@ -63,8 +63,8 @@ from ._gradients import before_ddp, register_comm_hook, share
 from ._groups import SpatialGroups
 from ._launch import environment_kept, launch_kind, register
 from ._loaders import prepare_loader, sharded
-from ._options import CudaGraphs, check_options, graph_names
-from ._scopes import RunScope, graphed, naming_the_layer
+from ._options import BevPlanes, CudaGraphs, check_options, graph_names
+from ._scopes import RunScope, cutting_bev_planes, graphed, naming_the_layer
 
 
 class SpatialParallelStrategy(DDPStrategy):
@@ -96,6 +96,10 @@ class SpatialParallelStrategy(DDPStrategy):
             spatial group (one all-reduce); ``"x"``, ``"y"``, ``"xy"``: sharded along the grid's X (second to last
             dim), Y (last dim) or both (2-D tiles, over the two axes of a 2-D group), by one reduce-scatter, so the
             BEV encoder and head after the splat run on 1/S of the grid (``ops.pending``). No change to the model.
+        bev_planes: with ``bev_shard``, parameters that are themselves a BEV grid (BEVFormer's learned queries), by
+            name (as ``named_parameters`` gives it) -> the dims of its X and Y, e.g. ``{"bev_queries": (0, 1)}``: read
+            as this rank's cells whenever their module runs, so the layers before the first splat or sample run on
+            1/S of the grid too. The parameters stay whole for checkpoints and the optimizer.
         cuda_graphs: which submodules' training forward and backward replay as CUDA graphs after two eager calls
             (``graphs.CUDAGraphed``): no per-op Python in the step. ``"auto"`` (default): on CUDA, the largest
             submodules that run once a training step on sharded activations, found in the first step
@@ -124,6 +128,7 @@ class SpatialParallelStrategy(DDPStrategy):
         fallback: FallbackMode = "warn",
         cuda_graphs: CudaGraphs = "auto",
         bev_shard: Literal["x", "y", "xy"] | None = None,
+        bev_planes: BevPlanes | None = None,
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -137,7 +142,7 @@ class SpatialParallelStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        check_options(spatial_size, shard_dim, fallback, cuda_graphs, bev_shard)  # now, not in the ranks
+        check_options(spatial_size, shard_dim, fallback, cuda_graphs, bev_shard, bev_planes)  # now, not in the ranks
         auto = spatial_size == "auto"
         if memory_budget is not None and not auto:
             raise ValueError(f"memory_budget is for spatial_size='auto', got spatial_size={spatial_size!r}")
@@ -168,6 +173,7 @@ class SpatialParallelStrategy(DDPStrategy):
         self._shard_select = shard_select
         self._fallback = fallback
         self._bev_shard = bev_shard
+        self._bev_planes = {name: tuple(dims) for name, dims in (bev_planes or {}).items()}
         # "auto": chosen after watching the first training step (lightning_spatial.capture); names: wrapped at setup
         self._auto_graphs = cuda_graphs == "auto"
         self._cache_released: weakref.WeakSet = weakref.WeakSet()  # optimizers whose first step gave it back
@@ -241,6 +247,7 @@ class SpatialParallelStrategy(DDPStrategy):
         fake = dist.get_backend() == "fake"
         self._run = RunScope(self._fallback, data_axis, self.data_group, fake, self._bev_shard)
         self._run.enter_context(graphed(self.lightning_module, self._cuda_graphs))
+        self._run.enter_context(cutting_bev_planes(self.lightning_module, self._bev_planes, self.axes, self._bev_shard))
         self._watch = Watch(self.lightning_module) if self._auto_graphs and self.root_device.type == "cuda" else None
         super().setup(trainer)
         self._run.adopt(self.lightning_module)

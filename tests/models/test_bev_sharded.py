@@ -16,6 +16,7 @@ from lightning_spatial import SpatialTensor, shard
 from lightning_spatial.layout import LayoutError
 from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 from lightning_spatial.run import Run, entered
+from lightning_spatial.strategies._scopes import cutting_bev_planes
 from tests.host import HostRoundTrips, waits
 from tests.models.surround import surround_batch
 from tests.oracle import assert_rel_close, check
@@ -152,17 +153,20 @@ def test_bev_plane_sharded_is_exact(name, encoder, layout, mode):
     run_spmd(_bev_plane_case, LAYOUTS[layout][0], name, layout, mode, encoder, timeout=300)
 
 
-def _bevformer_case(layout: str, mode: str | None, temporal: bool, dtype: torch.dtype):
+def _bevformer_case(layout: str, mode: str | None, temporal: bool, dtype: torch.dtype, planes: bool):
     """BEVFormer on sharded cameras, and with ``bev_shard`` on a sharded BEV: every encoder layer's output is sharded
-    over the BEV cells (the first layer's spatial cross-attention reduce-scatters its samples; later layers sample
-    with sharded queries), no fallback; loss, image gradients and every parameter gradient equal one process's (a sample
-    without boxes beside one with)."""
+    over the BEV cells, no fallback; loss, image gradients and every parameter gradient equal one process's (a sample
+    without boxes beside one with). With ``planes`` its learned BEV queries are cut to the rank's cells before the
+    first layer (the strategy's ``bev_planes``), so every layer's temporal self-attention reads sharded queries;
+    without, the first layer's spatial cross-attention cuts its samples to the rank's cells and the queries are
+    replicated until its residual."""
     torch.manual_seed(0)
     reference = BEVFormer.tiny(temporal=temporal).to(dtype)
     ours = copy.deepcopy(reference)
-    sharded = []
+    outputs, reads = [], []  # each encoder layer's output layout, and its temporal self-attention's queries'
     for layer in ours.bev_layers:
-        layer.register_forward_hook(lambda m, args, out: sharded.append(bool(getattr(out, "shard_layout", None))))
+        layer.register_forward_hook(lambda m, args, out: outputs.append(getattr(out, "shard_layout", None)))
+        layer.temporal.register_forward_pre_hook(lambda m, args: reads.append(getattr(args[0], "shard_layout", None)))
     height = 64 if layout == "2x2" else 32
     batch = surround_batch(batch=2, cameras=2, height=height, width=96, boxes=[3, 0], temporal=temporal)  # one empty
     batch = _as(batch, dtype)
@@ -172,24 +176,32 @@ def _bevformer_case(layout: str, mode: str | None, temporal: bool, dtype: torch.
         model = ours if isinstance(images[0], SpatialTensor) else reference
         return model.loss(model({**batch, **dict(zip(names, images))}), batch)["loss"]
 
-    check(loss, [batch[k] for k in names], range(len(names)), axes(layout), modules=(reference, ours), bev_shard=mode)
-    assert sharded == [mode is not None] * len(ours.bev_layers) * (1 + temporal), sharded
+    groups = axes(layout)
+    cut = {"bev_queries": (0, 1)} if planes else {}
+    with cutting_bev_planes(ours, cut, groups, mode):
+        check(loss, [batch[k] for k in names], range(len(names)), groups, modules=(reference, ours), bev_shard=mode)
+    layers = len(ours.bev_layers)
+    assert [bool(x) for x in outputs] == [mode is not None] * layers * (1 + temporal), outputs
+    frame = [mode is not None and planes] + [mode is not None] * (layers - 1)  # each frame's layers' queries
+    assert [bool(x) for x in reads] == frame * (1 + temporal), reads
+    assert len({x for x in outputs + reads if x}) <= 1, "the cut queries are laid out as the layers' outputs"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout,mode,temporal,dtype",
+    "layout,mode,temporal,dtype,planes",
     [
-        ("w2", None, True, torch.float32),
-        ("w3", None, False, torch.float64),
-        ("w2", "x", True, torch.float64),
-        ("w3", "y", False, torch.float64),  # fp32 whole models: the op tests (tests/ops/test_sample.py) hold 1e-5
-        ("2x2", "x", False, torch.float64),
-        ("2x2", "xy", True, torch.float64),
+        ("w2", None, True, torch.float32, False),
+        ("w3", None, False, torch.float64, False),
+        ("w2", "x", True, torch.float64, True),
+        ("w2", "x", False, torch.float64, False),  # the queries replicated until the first cross-attention
+        ("w3", "y", False, torch.float64, True),  # fp32 whole models: the op tests (tests/ops/test_sample.py) hold 1e-5
+        ("2x2", "x", False, torch.float64, True),
+        ("2x2", "xy", True, torch.float64, True),
     ],
 )
-def test_bevformer_is_exact_with_cameras_and_bev_sharded(layout, mode, temporal, dtype):
-    run_spmd(_bevformer_case, LAYOUTS[layout][0], layout, mode, temporal, dtype, timeout=600)
+def test_bevformer_is_exact_with_cameras_and_bev_sharded(layout, mode, temporal, dtype, planes):
+    run_spmd(_bevformer_case, LAYOUTS[layout][0], layout, mode, temporal, dtype, planes, timeout=600)
 
 
 def _bev_rows_fewer_than_ranks():

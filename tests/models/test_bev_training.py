@@ -12,7 +12,9 @@ import torch
 
 from lightning_spatial import SpatialParallelStrategy, SpatialTensor
 from lightning_spatial.data import SurroundScenes, collate_surround
+from lightning_spatial.mesh import Axis
 from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
+from lightning_spatial.strategies._scopes import cutting_bev_planes
 from tests.strategy.test_equivalence import assert_same_weights
 
 MODELS = {
@@ -39,10 +41,11 @@ def train(
 ) -> L.LightningModule:
     """Two epochs in float64 on this data replica's samples (the loader's order: no sampler is injected);
     ``sharded_head``: every rank checks that the BEV plane is sharded (the CenterPoint head's outputs, BEVFormer's
-    encoder output)."""
+    encoder input and output)."""
     torch.manual_seed(0)
     model = MODELS[name]()
-    if sharded_head and isinstance(model, BEVFormer):
+    if sharded_head and isinstance(model, BEVFormer):  # its queries cut to the rank's cells before the first layer
+        model.bev_layers[0].register_forward_pre_hook(lambda m, args: _sharded(args[0]))
         model.bev_layers[-1].register_forward_hook(lambda m, args, out: _sharded(out))
     elif sharded_head:
         model.head.register_forward_hook(lambda m, args, out: _sharded(out["heatmap"]))
@@ -88,10 +91,14 @@ def test_bev_module_trains_to_the_single_device_weights(name, spatial):
 @pytest.mark.parametrize("name", ["lift_splat", "simple_bev", "bevformer"])
 def test_bev_plane_sharded_trains_to_the_single_device_weights(name, spatial, bev_shard):
     """``bev_shard``: the BEV encoder and head run on the rank's cells of the grid, and training still reaches the
-    single-device weights (the module cannot tell: no fallback, no change to it)."""
+    single-device weights (the module cannot tell: no fallback, no change to it); BEVFormer's learned queries are
+    read as the rank's cells from the start (``bev_planes``)."""
     reference = train(name, "auto", 1)
     devices = 2 if spatial == 2 else 4
-    strategy = SpatialParallelStrategy(spatial, fallback="error", bev_shard=bev_shard, start_method="fork")
+    planes = {"bev_queries": (0, 1)} if name == "bevformer" else None
+    strategy = SpatialParallelStrategy(
+        spatial, fallback="error", bev_shard=bev_shard, bev_planes=planes, start_method="fork"
+    )
     ours = train(name, strategy, devices, sharded_head=True)
     assert_same_weights(ours, reference.float(), tolerance=2e-7, zero_floor=1e-12)
 
@@ -99,3 +106,28 @@ def test_bev_plane_sharded_trains_to_the_single_device_weights(name, spatial, be
 def test_bad_bev_shard_fails_at_construction():
     with pytest.raises(ValueError, match=r"bev_shard must be None, 'x', 'y' or 'xy', got 'z'"):
         SpatialParallelStrategy(2, bev_shard="z")
+
+
+def test_bev_planes_naming_no_parameter_fails_before_training_with_the_names():
+    strategy = SpatialParallelStrategy(
+        2, fallback="error", bev_shard="x", bev_planes={"bev_query": (0, 1)}, start_method="fork"
+    )
+    with pytest.raises(Exception, match=r"bev_planes names 'bev_query', which is not a parameter of BEVFormer .*"
+                       r"bev_queries, bev_rows, bev_columns, level_embedding, camera_embedding"):  # fmt: skip
+        train("bevformer", strategy, 2)
+
+
+@pytest.mark.parametrize(
+    "bev_size,mode,dims,match",
+    [
+        ((1, 8), "x", (0, 1), r"'bev_queries' has 1 cells along dim 0 \(shape \(1, 8, 32\)\), fewer than its 2 ranks"),
+        ((8, 1), "y", (0, 1), r"'bev_queries' has 1 cells along dim 1 \(shape \(8, 1, 32\)\), fewer than its 2"),
+        ((8, 8), "x", (0, 3), r"gives 'bev_queries' \(shape \(8, 8, 32\)\) the X, Y dims \(0, 3\): name two"),
+        ((8, 8), "x", (1, -2), r"the X, Y dims \(1, -2\): name two different dims"),
+    ],
+)
+def test_a_bev_plane_that_cannot_be_cut_fails_naming_its_sizes(bev_size, mode, dims, match):
+    model = BEVFormer.tiny(bev_size=bev_size)
+    axes = {-1: Axis(ranks=(0, 1), index=0)}  # the ranks' sizes are all the checks read: no process group
+    with pytest.raises(ValueError, match=match), cutting_bev_planes(model, {"bev_queries": dims}, axes, mode):
+        pass

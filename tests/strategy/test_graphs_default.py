@@ -168,14 +168,16 @@ def test_the_default_replays_the_image_encoder_and_trains_to_the_eager_weights(n
 @pytest.mark.parametrize("name", sorted(SAMPLING))
 def test_the_default_replays_the_sharded_bev_side_too(name, layout):
     """With ``bev_shard`` the modules after the splat run on a sharded BEV: the default replays them too (Simple-BEV's
-    BEV encoder; BEVFormer's encoder layers after the first, whose queries are sharded, and its decoder layers), and
-    the run trains to the eager weights."""
+    BEV encoder; BEVFormer's encoder layers, whose queries are cut to the rank's cells by ``bev_planes``, and its
+    decoder layers), and the run trains to the eager weights."""
     build, data = MODELS[name]
-    bev_shard = "x" if layout == "w2" else "xy"
-    eager, _ = _fit(build(), data(), layout, False, STEPS, bev_shard=bev_shard, precision="64-true")
+    options = dict(bev_shard="x" if layout == "w2" else "xy", precision="64-true")
+    if name == "bevformer":
+        options["bev_planes"] = {"bev_queries": (0, 1)}
+    eager, _ = _fit(build(), data(), layout, False, STEPS, **options)
     seen = Captures()
-    model, _ = _fit(build(), data(), layout, None, STEPS, callbacks=[seen], bev_shard=bev_shard, precision="64-true")
-    bev_side = {"bev_encoder"} if name == "simple_bev" else {"bev_layers.1"}
+    model, _ = _fit(build(), data(), layout, None, STEPS, callbacks=[seen], **options)
+    bev_side = {"bev_encoder"} if name == "simple_bev" else {"bev_layers.0", "bev_layers.1"}
     assert {"encoder", *bev_side} <= seen.replaying, seen.replaying
     a, b = _weights(eager), _weights(model)
     for key in a:

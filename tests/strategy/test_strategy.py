@@ -413,6 +413,10 @@ BAD_ARGUMENTS = [  # (constructor arguments, the error), the same for the Fabric
     ({"spatial_size": 2, "shard_dim": "channels"}, "shard_dim must be one of .'width', 'height'., got 'channels'"),
     ({"fallback": "loud"}, "fallback must be 'warn', 'error' or 'silent', got 'loud'"),
     ({"cuda_graphs": "model"}, "cuda_graphs must be 'auto' \\(the default\\), False, or a list of submodule names"),
+    ({"bev_planes": {"bev_queries": (0, 1)}}, "bev_planes=.* set bev_shard \\('x', 'y' or 'xy'\\) too"),
+    ({"bev_shard": "x", "bev_planes": {"bev_queries": 0}}, "bev_planes maps a parameter's name to the dims of its"),
+    ({"bev_shard": "x", "bev_planes": {"bev_queries": (0, 1, 2)}}, "got {'bev_queries': \\(0, 1, 2\\)}"),
+    ({"bev_shard": "x", "bev_planes": ["bev_queries"]}, "e.g. {'bev_queries': \\(0, 1\\)} .*; got \\['bev_queries'\\]"),
 ]
 
 
