@@ -3,6 +3,8 @@ their boxes, a training step, overfitting one tiny batch, empty scenes, bad inpu
 
 from __future__ import annotations
 
+import gc
+import itertools
 import math
 
 import lightning as L
@@ -567,13 +569,15 @@ def test_deformable_sampling_at_cell_centres_reads_the_cells():
         * weights[:, level].sum(1)[:, None]  # both points read the same cell
         for level, value in enumerate(maps)
     )
-    torch.testing.assert_close(deformable_sample(maps, locations, weights), expected)
+    torch.testing.assert_close(
+        deformable_sample(maps, lambda level: (locations[:, level], weights[:, level])), expected
+    )
 
 
 def test_deformable_sampling_keeps_its_inputs_for_the_backward_not_its_samples():
-    """As mmcv's kernel, ``deformable_sample`` samples again in the backward: autograd keeps the maps, locations and
-    weights, never a level's P samples per query cell (P times the output); the gradients are those of sampling
-    and weighting in one go."""
+    """As mmcv's kernel, ``deformable_sample`` samples again in the backward: autograd keeps the maps and what the
+    points are made of, never a level's P samples per query cell (P times the output); the gradients are those of
+    sampling and weighting in one go."""
     from lightning_spatial.models.bev.deformable import deformable_sample
 
     g = torch.Generator().manual_seed(0)
@@ -583,7 +587,7 @@ def test_deformable_sampling_keeps_its_inputs_for_the_backward_not_its_samples()
     ours = [t.clone().requires_grad_() for t in (*maps, locations, weights)]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        out = deformable_sample(ours[:2], *ours[2:])
+        out = deformable_sample(ours[:2], lambda level: (ours[2][:, level], ours[3][:, level]))
     samples = 2 * 8 * 4 * 6 * 5  # one level's samples
     assert saved and max(saved) < samples, saved
     upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
@@ -600,6 +604,75 @@ def test_deformable_sampling_keeps_its_inputs_for_the_backward_not_its_samples()
     torch.testing.assert_close(out, expected)
     for name, a, b in zip(("map 0", "map 1", "locations", "weights"), ours, plain):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_spatial_cross_attention_keeps_its_queries_offsets_not_every_cameras_locations():
+    """The cross-attention's sampling locations and weights are per camera (N times its queries' offsets): made
+    again in the backward from the offsets, never kept; the output and every gradient are those of the same
+    computation kept whole."""
+    from lightning_spatial.models.bev.deformable import SpatialCrossAttention
+
+    g = torch.Generator().manual_seed(0)
+    b, n, nx, ny, c, heads, levels, anchors, points = 1, 6, 8, 8, 16, 2, 2, 4, 2
+    shapes = [(3, 4), (2, 2)]
+    attention = SpatialCrossAttention(c, heads, levels, anchors, points).double()
+    with torch.no_grad():  # random offsets and weights (the initialisation's are zero)
+        for p in attention.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+    queries = torch.randn(b, nx, ny, c, generator=g, dtype=torch.float64, requires_grad=True)
+    position = torch.randn(nx, ny, c, generator=g, dtype=torch.float64)
+    tokens = torch.randn(b * n, sum(h * w for h, w in shapes), c, generator=g, dtype=torch.float64, requires_grad=True)
+    reference = torch.rand(b, n, nx, ny, anchors, 2, generator=g, dtype=torch.float64)
+    hit = (torch.rand(b, n, nx, ny, generator=g) > 0.3).double()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = attention(queries, position, tokens, shapes, reference, hit)
+    per_camera = b * n * heads * anchors * points * nx * ny  # one level's weights for every camera
+    assert saved and max(saved) < per_camera, (max(saved), per_camera)
+    cameras_and_heads = [o for o in gc.get_objects() if torch.is_tensor(o) and o.dim() and o.shape[0] == b * n * heads]
+    held = [tuple(t.shape) for t in cameras_and_heads if t.numel() >= per_camera]
+    assert not held, held  # nor held by the backward's closures
+    upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(upstream)
+    grads = [queries.grad, tokens.grad, *(p.grad for p in attention.parameters())]
+    queries.grad = tokens.grad = None
+    attention.zero_grad()
+    whole = _cross_attention_sample_by_sample(attention, queries, position, tokens, shapes, reference, hit)
+    whole.backward(upstream)
+    torch.testing.assert_close(out, whole)
+    for a, e in zip(grads, [queries.grad, tokens.grad, *(p.grad for p in attention.parameters())], strict=True):
+        torch.testing.assert_close(a, e)
+
+
+def _cross_attention_sample_by_sample(attention, queries, position, tokens, shapes, reference, hit):
+    """BEVFormer's spatial cross-attention, one ``grid_sample`` per camera, head, level, anchor and point."""
+    b, nx, ny, c = queries.shape
+    n, heads, levels, anchors, points = (
+        hit.shape[1],
+        attention.heads,
+        attention.levels,
+        attention.anchors,
+        attention.points,
+    )
+    ch = c // heads
+    q = queries + position
+    offsets = attention.offsets(q).view(b, nx, ny, heads, levels, anchors, points, 2)
+    weights = (
+        attention.weights(q).view(b, nx, ny, heads, -1).softmax(-1).view(b, nx, ny, heads, levels, anchors, points)
+    )
+    values = attention.value(tokens).view(b, n, -1, heads, ch)
+    out = [[0] * heads for _ in range(n)]
+    start = 0
+    for level, (h, w) in enumerate(shapes):
+        maps = values[:, :, start : start + h * w].unflatten(2, (h, w))  # (B, N, h, w, heads, ch)
+        start += h * w
+        for k, e, a, p in itertools.product(range(n), range(heads), range(anchors), range(points)):
+            at = reference[:, k, :, :, a] + offsets[:, :, :, e, level, a, p] / torch.tensor([w, h], dtype=q.dtype)
+            sample = F.grid_sample(maps[:, k, :, :, e].permute(0, 3, 1, 2), 2 * at - 1, align_corners=False)
+            out[k][e] = out[k][e] + sample * weights[:, None, :, :, e, level, a, p]
+    out = torch.stack([torch.cat(per_head, 1) for per_head in out], 1) * hit[:, :, None]  # (B, N, C, X, Y)
+    out = out.sum(1) / hit.sum(1)[:, None].clamp(min=1)
+    return attention.output(out.permute(0, 2, 3, 1))
 
 
 def test_bevformer_pillars_are_the_projected_cell_centres_and_hit_where_a_camera_sees_them():

@@ -9,6 +9,7 @@ and the map's cells are the grid of the samples.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,25 +19,29 @@ from torch.utils.checkpoint import checkpoint
 from .geometry import on_device
 
 
-def deformable_sample(maps: list[torch.Tensor], locations: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Multi-scale deformable attention's core: value maps, per level ``(B', Ch, h_l, w_l)``; sampling
-    ``locations`` ``(B', L, P, X, Y, 2)`` in [0, 1] of each level's map (x along its width, as ``grid_sample``);
-    ``weights`` ``(B', L, P, X, Y)`` -> ``(B', Ch, X, Y)``, every query cell's weighted sum of its samples.
+def deformable_sample(
+    maps: list[torch.Tensor], points: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """Multi-scale deformable attention's core: value maps, per level ``(B', Ch, h_l, w_l)``; ``points(level)``: that
+    level's sampling locations ``(B', P, X, Y, 2)`` in [0, 1] of its map (x along its width, as ``grid_sample``) and
+    their weights ``(B', P, X, Y)`` -> ``(B', Ch, X, Y)``, every query cell's weighted sum of its samples.
 
     A level's P points of every query cell are sampled as one image of P * X rows by Y columns, so the samples keep
-    the query map's (X, Y) cells as their last two dims. The backward keeps only the inputs and samples again, as
-    mmcv's kernel does: the samples are P times the output (1.8 GiB a level in a BEVFormer-base cross-attention
-    layer, fp32)."""
+    the query map's (X, Y) cells as their last two dims. The backward keeps only what ``points`` reads and the maps,
+    and computes the locations and samples again, as mmcv's kernel does: the samples are P times the output (1.8 GiB
+    a level in a BEVFormer-base cross-attention layer, fp32), and the cross-attention's locations and weights are
+    per camera, N times its queries' offsets (132 MiB a layer at 200 x 200 on a rank of 4, fp32)."""
     out = 0
     for level, value in enumerate(maps):
-        grid = (2 * locations[:, level] - 1).flatten(1, 2)  # (B', P * X, Y, 2)
-        out = out + checkpoint(_weighted_samples, value, grid, weights[:, level], use_reentrant=False)
+        out = out + checkpoint(_weighted_samples, value, points, level, use_reentrant=False)
     return out
 
 
-def _weighted_samples(value: torch.Tensor, grid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """One level: ``value`` sampled at ``grid`` (B', P * X, Y, 2), weighted by ``weights`` (B', P, X, Y), summed
-    over the P points -> (B', Ch, X, Y)."""
+def _weighted_samples(value: torch.Tensor, points: Callable, level: int) -> torch.Tensor:
+    """One level: ``value`` sampled at ``points(level)``'s locations, weighted, summed over the P points ->
+    (B', Ch, X, Y)."""
+    locations, weights = points(level)
+    grid = (2 * locations - 1).flatten(1, 2)  # (B', P * X, Y, 2)
     sampled = F.grid_sample(value, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     return (sampled.unflatten(2, weights.shape[1:3]) * weights[:, None]).sum(2)
 
@@ -86,7 +91,8 @@ class TemporalSelfAttention(nn.Module):
         weights = weights.permute(0, 3, 4, 5, 1, 2).reshape(b * 2 * heads, 1, points, nx, ny)
         value = self.value(torch.stack([previous, queries], 1))  # (B, 2, X, Y, C)
         value = _head_maps(value, heads)
-        out = deformable_sample([value], locations, weights).view(b, 2, c, nx, ny).mean(1)
+        out = deformable_sample([value], lambda level: (locations[:, level], weights[:, level]))
+        out = out.view(b, 2, c, nx, ny).mean(1)
         return self.output(out.permute(0, 2, 3, 1))
 
 
@@ -120,17 +126,23 @@ class SpatialCrossAttention(nn.Module):
         q = queries + query_pos
         offsets = self.offsets(q).view(b, 1, nx, ny, heads, levels, anchors, points, 2)
         weights = self.weights(q).view(b, nx, ny, heads, levels * anchors * points).softmax(-1)
+        weights = weights.view(b, 1, nx, ny, heads, levels, anchors * points)
         sizes = on_device([n for h, w in shapes for n in (w, h)], q).view(-1, 2)  # per level (w, h)
-        locations = reference[:, :, :, :, None, None, :, None] + offsets / sizes[:, None, None]
-        locations = locations.permute(0, 1, 4, 5, 6, 7, 2, 3, 8).reshape(b * n * heads, levels, -1, nx, ny, 2)
-        weights = weights.view(b, 1, nx, ny, heads, levels, anchors * points).expand(-1, n, -1, -1, -1, -1, -1)
-        weights = weights.permute(0, 1, 4, 5, 6, 2, 3).reshape(b * n * heads, levels, -1, nx, ny)
+
+        def camera_points(level: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Every camera's locations around its projected anchors, and the query's weights for each camera: per
+            camera, so made again in the backward (``deformable_sample``) from the queries' offsets."""
+            at = reference[:, :, :, :, None, :, None] + offsets[:, :, :, :, :, level] / sizes[level]
+            at = at.permute(0, 1, 4, 5, 6, 2, 3, 7).reshape(b * n * heads, -1, nx, ny, 2)  # (B*N*heads, Z*P, X, Y, 2)
+            w = weights[:, :, :, :, :, level].expand(-1, n, -1, -1, -1, -1)
+            return at, w.permute(0, 1, 4, 5, 2, 3).reshape(b * n * heads, -1, nx, ny)
+
         values = self.value(tokens).split([h * w for h, w in shapes], 1)  # each level's tokens
         maps = [
             v.unflatten(-1, (heads, c // heads)).permute(0, 2, 3, 1).reshape(-1, c // heads, h, w)
             for v, (h, w) in zip(values, shapes)
         ]
-        out = deformable_sample(maps, locations, weights).view(b, n, c, nx, ny) * hit[:, :, None]
+        out = deformable_sample(maps, camera_points).view(b, n, c, nx, ny) * hit[:, :, None]
         out = out.sum(1) / hit.sum(1)[:, None].clamp(min=1)
         return self.output(out.permute(0, 2, 3, 1))
 
