@@ -4,7 +4,8 @@ global batches: float64, fallbacks as errors, compared in the ranks (the weights
 Layouts: width over 2 ranks, 2x2 tiles, and 2 data replicas of 2 width ranks (a sampler over the data replicas,
 BatchNorm statistics over the whole global batch with ``sync_batchnorm=True``). Models: a timm ConvNeXt, a timm
 ResNet with BatchNorm, and a BEV detector (PETR: 3-D position embedding, attention over camera tokens, Hungarian
-matching, a loss normalised by the box count averaged over the data replicas).
+matching, a loss normalised by the box count averaged over the data replicas); with the BEV plane sharded, Lift-Splat
+and BEVFormer (its learned queries cut by ``bev_planes``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_spatial import SpatialTensor
 from lightning_spatial.data import SurroundScenes, collate_surround
 from lightning_spatial.fabric import SpatialParallelStrategy
-from lightning_spatial.models.bev import PETR, LiftSplat
+from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat
 from tests.oracle import RTOL_FLOAT64
 from tests.strategy.lit import Images, make_model
 from tests.strategy.test_equivalence import assert_same_weights
@@ -122,23 +123,36 @@ class ShardedBEVDetector(Detector):
     def model(self) -> torch.nn.Module:
         torch.manual_seed(0)
         model = LiftSplat.tiny()
-        model.head.register_forward_hook(self.check_sharded)
+        model.head.register_forward_hook(lambda m, args, out: self.check_sharded(out["heatmap"]))
         return model
 
     @staticmethod
-    def check_sharded(module, inputs, outputs) -> None:
-        if torch.distributed.is_initialized() and not isinstance(outputs["heatmap"], SpatialTensor):
-            raise AssertionError("the head ran on a replicated BEV grid")
+    def check_sharded(bev: torch.Tensor) -> None:
+        if torch.distributed.is_initialized() and not isinstance(bev, SpatialTensor):
+            raise AssertionError("a BEV module ran on a replicated BEV grid")
+
+
+class ShardedBEVFormer(ShardedBEVDetector):
+    """BEVFormer (tiny), whose first encoder layer must read its learned queries sharded (``bev_planes``)."""
+
+    def model(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = BEVFormer.tiny()
+        model.bev_layers[0].register_forward_pre_hook(lambda m, args: self.check_sharded(args[0]))
+        return model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fabric_loop_with_the_bev_plane_sharded(layout):
-    case = ShardedBEVDetector()  # the head's sums over the grid's cells run in another order: float64 rounding
+@pytest.mark.parametrize(
+    "name,layout", [("lift_splat", "w2"), ("lift_splat", "2x2"), ("lift_splat", "data2_w2"), ("bevformer", "2x2")]
+)
+def test_fabric_loop_with_the_bev_plane_sharded(name, layout):
+    case = ShardedBEVDetector() if name == "lift_splat" else ShardedBEVFormer()  # float64 rounding: sums of partials
     reference = train(Fabric(accelerator="cpu", devices=1, precision="64-true"), case)
     devices, spatial = LAYOUTS[layout]
+    planes = {"bev_queries": (0, 1)} if name == "bevformer" else None
     strategy = SpatialParallelStrategy(
-        spatial, fallback="error", sync_batchnorm=True, bev_shard="xy", start_method="fork"
+        spatial, fallback="error", sync_batchnorm=True, bev_shard="xy", bev_planes=planes, start_method="fork"
     )
     fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", callbacks=[Sharded()])
     fabric.launch(_in_rank, case, reference, RTOL_FLOAT64)
