@@ -174,7 +174,7 @@ def cutting_bev_planes(
     ordered = [axes[dim] for dim in sorted(axes)]  # height's axis first, as a splat's sums take them
     handles = []
     try:
-        for name, dims in planes.items() if ordered else ():
+        for name, dims in planes.items():  # checked on one rank too: the name is wrong on S ranks as well
             owner, attr, parameter = _parameter(root, name)
             plane = [d % parameter.dim() if -parameter.dim() <= d < parameter.dim() else None for d in dims]
             if None in plane or plane[0] == plane[1]:
@@ -182,7 +182,7 @@ def cutting_bev_planes(
                     f"bev_planes gives {name!r} (shape {tuple(parameter.shape)}) the X, Y dims {tuple(dims)}: name "
                     "two different dims of it"
                 )
-            cut = {plane[i]: axis for i, axis in zip(BEV_PLANE_DIMS[bev_shard], ordered)}
+            cut = {plane[i]: axis for i, axis in zip(BEV_PLANE_DIMS.get(bev_shard, ()), ordered)}
             for dim, axis in cut.items():
                 if parameter.shape[dim] < axis.size:
                     raise ValueError(
@@ -190,7 +190,7 @@ def cutting_bev_planes(
                         f"{tuple(parameter.shape)}), fewer than its {axis.size} ranks (bev_shard={bev_shard!r}): use "
                         "a finer grid, fewer spatial ranks, or leave it out of bev_planes"
                     )
-            handles += _read_as_cut(owner, attr, parameter, cut)
+            handles += _read_as_cut(owner, attr, parameter, cut) if cut else []
         yield
     finally:
         for handle in handles:

@@ -131,3 +131,15 @@ def test_a_bev_plane_that_cannot_be_cut_fails_naming_its_sizes(bev_size, mode, d
     axes = {-1: Axis(ranks=(0, 1), index=0)}  # the ranks' sizes are all the checks read: no process group
     with pytest.raises(ValueError, match=match), cutting_bev_planes(model, {"bev_queries": dims}, axes, mode):
         pass
+
+
+def test_bev_planes_are_checked_on_one_rank_too():
+    """A misspelt name fails on a single rank as on several (no axes: nothing is cut, nothing hooked)."""
+    model = BEVFormer.tiny()
+    with (
+        pytest.raises(ValueError, match="bev_planes names 'bev_query'"),
+        cutting_bev_planes(model, {"bev_query": (0, 1)}, {}, "x"),
+    ):
+        pass
+    with cutting_bev_planes(model, {"bev_queries": (0, 1)}, {}, "x"):
+        assert not model._forward_pre_hooks and not model._forward_hooks
