@@ -189,8 +189,8 @@ class SpatialParallelStrategy(DDPStrategy):
     def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
         if self._sync_batchnorm and not self.axes:  # no sharded BatchNorm to span the data axis: torch's does
             module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        self._run.enter_context(graphed(module, self._cuda_graphs))
         self._run.enter_context(cutting_bev_planes(module, self._bev_planes, self.axes, self._bev_shard))
+        self._run.enter_context(graphed(module, self._cuda_graphs))  # after: a wrapper holds no parameter
         watch = self._auto_graphs and self.root_device.type == "cuda"
         if watch:
             self._first_steps.append(_FirstTrainingStep(module))

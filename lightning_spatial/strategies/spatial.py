@@ -246,8 +246,9 @@ class SpatialParallelStrategy(DDPStrategy):
         # one rank with PyTorch's fake backend (benchmarks): messages never arrive, and received halos read as zeros
         fake = dist.get_backend() == "fake"
         self._run = RunScope(self._fallback, data_axis, self.data_group, fake, self._bev_shard)
-        self._run.enter_context(graphed(self.lightning_module, self._cuda_graphs))
+        # the planes' owners found before named submodules are wrapped for graphs (a wrapper holds no parameter)
         self._run.enter_context(cutting_bev_planes(self.lightning_module, self._bev_planes, self.axes, self._bev_shard))
+        self._run.enter_context(graphed(self.lightning_module, self._cuda_graphs))
         self._watch = Watch(self.lightning_module) if self._auto_graphs and self.root_device.type == "cuda" else None
         super().setup(trainer)
         self._run.adopt(self.lightning_module)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from lightning_spatial import SpatialParallelStrategy, SpatialTensor
 from lightning_spatial.data import SurroundScenes, collate_surround
 from lightning_spatial.mesh import Axis
 from lightning_spatial.models.bev import PETR, BEVFormer, LiftSplat, SimpleBEV
 from lightning_spatial.strategies._scopes import cutting_bev_planes
+from tests.strategy.lit import Images
 from tests.strategy.test_equivalence import assert_same_weights
 
 MODELS = {
@@ -143,3 +145,39 @@ def test_bev_planes_are_checked_on_one_rank_too():
         pass
     with cutting_bev_planes(model, {"bev_queries": (0, 1)}, {}, "x"):
         assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+class _QueriesInGraphedModule(L.LightningModule):
+    """A BEV plane held by a submodule that ``cuda_graphs`` names (wrapped for the run): its queries must still be
+    found, and read sharded inside the wrapper."""
+
+    def __init__(self):
+        super().__init__()
+        self.bev = _Queries()
+
+    def training_step(self, batch, batch_idx):
+        return self.bev(batch["image"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Queries(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.queries = torch.nn.Parameter(torch.randn(4, 6, 3))
+
+    def forward(self, image):
+        _sharded(self.queries)
+        return self.queries.square().sum() + image.mean()
+
+
+def test_bev_planes_in_a_module_cuda_graphs_names():
+    strategy = SpatialParallelStrategy(
+        2, fallback="error", bev_shard="x", bev_planes={"bev.queries": (0, 1)}, cuda_graphs=["bev"], start_method="fork"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_QueriesInGraphedModule(), DataLoader(Images(2, 8, 16), batch_size=2))
