@@ -12,6 +12,7 @@ collate hook), any strategy. Compares strategies on the same model and global ba
     python benchmarks/trainer_step.py --strategy single --model petr --batch 1 --height 512 --width 1408
     python benchmarks/trainer_step.py --strategy spatial_tp --fake-world 8 --baseline shard --model convnext_xlarge \
         --batch 7 --height 512 --width 4096 --precision bf16-mixed      # one GPU: rank 1 of 8, and its shard alone
+    python benchmarks/trainer_step.py ... --fake-world 8 --tiles 2x4   # the group as 2 x 4 tiles (rank 1: row 0, col 1)
 
 One GPU plays one rank of a larger run with ``--fake-world S`` (``lightning_spatial.fake_rank.FakeRank``: PyTorch's
 fake backend, so the rank runs the real run's kernels on its shard, and no message travels); ``--baseline`` runs, in
@@ -45,6 +46,9 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategy", default="single", help="single | ddp | horovod | spatial_tp")
     p.add_argument("--spatial", type=int, default=0, help="spatial_tp group size (default: all processes)")
+    p.add_argument(
+        "--tiles", default=None, help="spatial_tp: the group as H x W tiles, e.g. 2x4 (default: a width split)"
+    )
     p.add_argument(
         "--model",
         default="convnext_large",
@@ -191,7 +195,10 @@ def strategy(args):
         bev_shard = None if args.bev_shard == "none" else args.bev_shard
         planes = tasks.task(args).bev_planes if bev_shard and args.bev_planes == "model" else None
         return SpatialParallelStrategy(
-            args.spatial or args.fake_world or None, cuda_graphs=graphs, bev_shard=bev_shard, bev_planes=planes
+            tiles(args) or args.spatial or args.fake_world or None,
+            cuda_graphs=graphs,
+            bev_shard=bev_shard,
+            bev_planes=planes,
         )
     if args.strategy == "horovod":
         fusion = None if args.fusion_mb is None else int(args.fusion_mb * 2**20)
@@ -239,9 +246,11 @@ def measure(args, plugins: list) -> dict:
     trainer.fit(model, loader)
     device = trainer.strategy.root_device
     cuda = device.type == "cuda"
+    dims = getattr(trainer.strategy, "dims", None)
     return {
         "world": trainer.world_size,
         "rank": trainer.global_rank,
+        "spatial_tiles": f"{dims.spatial_h}x{dims.spatial_w}" if dims is not None else None,
         "step_ms": statistics.median(timer.times),
         "step_ms_range": [round(min(timer.times), 1), round(max(timer.times), 1)],
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else float("nan"),
@@ -260,11 +269,22 @@ def baseline(args) -> dict:
     from lightning_spatial.primitives import partition
 
     plain = argparse.Namespace(**{**vars(args), "strategy": "single", "compile": "", "fake_world": 0, "profile": False})
-    if args.baseline == "shard":
-        spatial = args.spatial or args.fake_world
-        lo, hi = partition(args.width, spatial)[rank_played(args)]
-        plain.width = hi - lo  # width splits: the rank's columns
-    return measure(plain, [])
+    if args.baseline == "shard":  # the rank's rows and columns
+        th, tw = tiles(args) or (1, args.spatial or args.fake_world)
+        ih, iw = divmod(rank_played(args), tw)
+        (top, bottom), (left, right) = partition(args.height, th)[ih], partition(args.width, tw)[iw]
+        plain.height, plain.width = bottom - top, right - left
+    return {**measure(plain, []), "input_hw": [plain.height, plain.width]}
+
+
+def tiles(args) -> tuple[int, int] | None:
+    """``--tiles HxW`` as (H, W); None without it."""
+    if not args.tiles:
+        return None
+    h, w = (int(n) for n in args.tiles.split("x"))
+    if args.fake_world and h * w != args.fake_world:
+        raise SystemExit(f"--tiles {args.tiles} makes {h * w} ranks, --fake-world {args.fake_world}")
+    return h, w
 
 
 def rank_played(args) -> int:

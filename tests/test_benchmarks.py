@@ -164,6 +164,15 @@ def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
     assert json.loads(header)["fake_world"] == 3 and "aten::convolution" in table
 
 
+def test_trainer_benchmark_plays_a_tile_of_a_2d_group(tmp_path):
+    """``--tiles 2x2``: rank 1 of 4 plays the tile of rows 0-31 and columns 48-95, and its shard alone is that tile."""
+    args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", "convnext_atto", "--height", "64"]
+    args += ["--width", "96", "--fake-world", "4", "--tiles", "2x2", "--baseline", "shard", "--steps", "1"]
+    row = _trainer_step_row(tmp_path, [*args, "--warmup", "1"])
+    assert row["world"] == 4 and row["rank"] == 1 and row["spatial_tiles"] == "2x2"
+    assert row["baseline_run"]["input_hw"] == [32, 48]
+
+
 @pytest.mark.parametrize("model", ["petr_tiny", "lift_splat_tiny", "simple_bev_tiny", "bevformer_tiny"])
 def test_trainer_benchmark_trains_the_bev_detectors_with_the_bev_sharded(tmp_path, model):
     """The BEV detectors through the Trainer (the surround collate hook, ``--bev-shard x``): one rank of 2 beside the
