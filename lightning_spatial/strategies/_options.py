@@ -32,17 +32,20 @@ def check_options(
     check_bev_shard(bev_shard)
     if bev_planes and bev_shard is None:
         raise ValueError(
-            f"bev_planes={dict(bev_planes)!r} cuts those parameters to the rank's cells of a sharded BEV grid: set "
+            f"bev_planes={bev_planes!r} cuts those parameters to the rank's cells of a sharded BEV grid: set "
             "bev_shard ('x', 'y' or 'xy') too, or leave bev_planes out"
         )
-    planes = bev_planes.items() if isinstance(bev_planes, Mapping) else [(bev_planes, None)] if bev_planes else []
-    for name, dims in planes:
-        pair = tuple(dims) if isinstance(dims, Iterable) and not isinstance(dims, str) else ()
-        if not isinstance(name, str) or len(pair) != 2 or not all(isinstance(d, int) for d in pair):
-            raise ValueError(
-                "bev_planes maps a parameter's name to the dims of its BEV plane's X and Y, e.g. "
-                f"{{'bev_queries': (0, 1)}} for an (X, Y, C) parameter; got {bev_planes!r}"
-            )
+    if bev_planes and not (isinstance(bev_planes, Mapping) and all(_is_plane(n, d) for n, d in bev_planes.items())):
+        raise ValueError(
+            "bev_planes maps a parameter's name to the dims of its BEV plane's X and Y, e.g. "
+            f"{{'bev_queries': (0, 1)}} for an (X, Y, C) parameter; got {bev_planes!r}"
+        )
+
+
+def _is_plane(name: object, dims: object) -> bool:
+    """A parameter's name and two ints (a list from a config too)."""
+    pair = tuple(dims) if isinstance(dims, Iterable) and not isinstance(dims, str) else ()
+    return isinstance(name, str) and len(pair) == 2 and all(isinstance(d, int) for d in pair)
 
 
 def graph_names(cuda_graphs: CudaGraphs) -> tuple[str, ...]:
