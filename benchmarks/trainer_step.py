@@ -94,7 +94,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=None, help="horovod: grouped all-reduce in this many groups")
     p.add_argument("--bucket-mb", type=float, default=None, help="horovod: gradients in buckets of this size (MiB)")
     p.add_argument("--async-completion", action="store_true", help="horovod: GPU ops complete on the stream")
-    p.add_argument("--profile", action="store_true", help="profile the first timed step of local rank 0 or a fake rank")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the first timed step of local rank 0 or a fake rank, and the baseline's",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--accelerator", default="gpu")
@@ -175,6 +179,9 @@ class StepTimer(L.Callback):
                 f.write(json.dumps(self.options) + "\n")
                 for key in ("self_device_time_total", "self_cpu_time_total"):
                     f.write(f"sorted by {key}\n{table.table(sort_by=key, row_limit=30)}\n")
+                f.write("every op, device time (us), calls\n")  # what two runs' tables are compared by
+                for e in sorted(table, key=lambda e: -e.self_device_time_total):
+                    f.write(json.dumps([e.key, round(e.self_device_time_total, 1), e.count]) + "\n")
             self.profiler = None
         # the submodules the strategy wrapped: replaying (True) or eager (False: warming up, or a capture failed)
         self.graphed = {n: m.captured for n, m in pl_module.named_modules() if isinstance(m, CUDAGraphed)}
@@ -268,7 +275,7 @@ def baseline(args) -> dict:
     """The plain model alone (one device, eager, no graphs) on this rank's shard of the input or the whole input."""
     from lightning_spatial.primitives import partition
 
-    plain = argparse.Namespace(**{**vars(args), "strategy": "single", "compile": "", "fake_world": 0, "profile": False})
+    plain = argparse.Namespace(**{**vars(args), "strategy": "single", "compile": "", "fake_world": 0})
     if args.baseline == "shard":  # the rank's rows and columns
         th, tw = tiles(args) or (1, args.spatial or args.fake_world)
         ih, iw = divmod(rank_played(args), tw)
