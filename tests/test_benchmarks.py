@@ -153,15 +153,18 @@ def _trainer_step_row(tmp_path, args: list[str]) -> dict:
 def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
     """``--fake-world``: one process plays rank 1 of a 3-rank width split through the Trainer (the fake backend), and
     ``--baseline shard`` runs the plain model alone on that rank's 32 of 96 columns first; ``--profile`` profiles the
-    rank's first timed step (not the baseline's); no timing is asserted."""
+    first timed step of each, and lists every op of it; no timing is asserted."""
     args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", "convnext_atto", "--height", "32"]
     args += ["--width", "96", "--fake-world", "3", "--baseline", "shard", "--steps", "2", "--warmup", "1", "--profile"]
     row = _trainer_step_row(tmp_path, args)
     assert row["world"] == 3 and row["rank"] == 1 and row["baseline_run"]["world"] == 1
     assert row["time_vs_baseline"] == round(row["step_ms"] / row["baseline_run"]["step_ms"], 3)
-    (profile,) = tmp_path.glob("profile_*.txt")
-    header, table = profile.read_text().split("\n", 1)
-    assert json.loads(header)["fake_world"] == 3 and "aten::convolution" in table
+    for strategy, world in (("spatial_tp", 3), ("single", 0)):
+        (profile,) = tmp_path.glob(f"profile_{strategy}_*.txt")
+        header, tables = profile.read_text().split("\n", 1)
+        assert json.loads(header)["fake_world"] == world and json.loads(header)["strategy"] == strategy
+        ops = [json.loads(line)[0] for line in tables.split("every op, device time (us), calls\n")[1].splitlines()]
+        assert "aten::convolution" in ops and ("_FetchWindow" in ops) == (strategy == "spatial_tp")
 
 
 def test_trainer_benchmark_plays_a_tile_of_a_2d_group(tmp_path):
