@@ -77,35 +77,26 @@ def test_benchmark_steps_free_gradients_where_they_say(zero_grad, seen):
 
 @pytest.mark.slow
 def test_scaling_rehearsal_on_4_ranks(tmp_path):
-    """The whole grid at toy size, 4 gloo ranks: baselines, S = 4 (width, 2x2) and D = 2 x S = 2, both precisions."""
+    """The whole grid at toy size, 4 gloo ranks: baselines, S = 4 (width, 2x2) and D = 2 x S = 2, in fp32 (bf16 rows
+    are made by the same code: the next test runs one)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--device", "cpu", "--gpus", "4", "--toy"]
+    cmd += ["--precisions", "fp32"]
     done = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "scaling.json").read_text())
-    assert [(p["part"], p["rc"]) for p in result["parts"]] == [
-        ("one_gpu_fp32", 0),
-        ("one_gpu_bf16", 0),
-        ("convnext", 0),
-        ("petr_tiny", 0),
-    ]
+    assert [(p["part"], p["rc"]) for p in result["parts"]] == [("one_gpu_fp32", 0), ("convnext", 0), ("petr_tiny", 0)]
     rows = result["rows"]
     grid = [(r["model"], r["precision"], r["data"], r["spatial"], r["tiles"]) for r in rows]
     assert grid == [
         ("convnext_atto", "fp32", 1, 1, "1x1"),
-        ("convnext_atto", "bf16", 1, 1, "1x1"),
         ("convnext_atto", "fp32", 1, 4, "1x4"),
         ("convnext_atto", "fp32", 1, 4, "2x2"),
         ("convnext_atto", "fp32", 2, 2, "1x2"),
-        ("convnext_atto", "bf16", 1, 4, "1x4"),
-        ("convnext_atto", "bf16", 1, 4, "2x2"),
-        ("convnext_atto", "bf16", 2, 2, "1x2"),
         ("petr_tiny", "fp32", 1, 4, "1x4"),
         ("petr_tiny", "fp32", 2, 2, "1x2"),
-        ("petr_tiny", "bf16", 1, 4, "1x4"),
-        ("petr_tiny", "bf16", 2, 2, "1x2"),
     ]
     one_gpu = {r["precision"]: r["shard_ms"] for r in rows if r["part"].startswith("one_gpu")}
-    for r in rows[2:]:
+    for r in rows[1:]:
         assert r["backend"] == "gloo" and r["ranks"] == 4 and r["halo_mib_per_step"] > 0
         t1 = one_gpu[r["precision"]] if r["model"] == "convnext_atto" else min(r["shard_ms"], r["shard_ms_after"])
         assert math.isclose(r["efficiency"], t1 / (r["spatial"] * r["ours_ms"]))
