@@ -79,8 +79,12 @@ def _case(layout: str, build, name: str) -> None:
         check(run, [x], sharded=[0], axes=axes(layout), modules=(models[False], models[True]), rtol=RTOL.get(name))
 
 
-@pytest.mark.parametrize("layout", ["w2", "2x2"])
-@pytest.mark.parametrize("name", SEGMENTATION)
+# The ResNet-101 models run on 2 ranks: on 2 x 2 tiles their ops are their ResNet-50 versions' (25 and 20 s saved)
+SEGMENTATION_CASES = [(name, layout) for name in SEGMENTATION for layout in ("w2", "2x2")]
+SEGMENTATION_CASES = [(name, layout) for name, layout in SEGMENTATION_CASES if not (layout == "2x2" and "101" in name)]
+
+
+@pytest.mark.parametrize("name, layout", SEGMENTATION_CASES)
 def test_torchvision_segmentation_models_train_spatially_and_exactly(name, layout):
     run_spmd(_case, LAYOUTS[layout][0], layout, _segmentation, name, timeout=600)
 
