@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -59,3 +60,31 @@ def test_petr_sweep_smoke(tmp_path):
     with tarfile.open(tmp_path / "sweep.tgz") as tar:
         names = tar.getnames()
     assert "runs/few/csv/metrics.csv" in names and "runs.q100_lr5e-4.log" in names, names
+
+
+def test_profile_diff_sums_kernels_by_kind_and_leaves_host_rows_out(tmp_path):
+    """tools/profile_diff.py on two op lists as trainer_step.py writes them: host rows (ops, autograd nodes, a
+    replayed graph's node) repeat their kernels' time and are left out; the baseline is divided by --per."""
+    rows = {
+        "rank": [
+            ["_ReplayBackward", 900.0, 1],
+            ["aten::mm", 500.0, 2],
+            ["ConvolutionBackward0", 300.0, 1],
+            ["fmha_cutlassB_bf16(PyTorchMemEffAttention::AttentionBackwardKernel)", 700.0, 6],
+            ["nvjet_sm90_tst_64x128", 500.0, 2],
+            ["Memcpy DtoD (Device -> Device)", 200.0, 40],
+            ["_ZN17cutlass__5x_cudnn6KernelINS_4conv", 100.0, 1],
+        ],
+        "base": [["aten::mm", 1600.0, 2], ["nvjet_sm90_tst_128x128", 1600.0, 2], ["Memset (Device)", 400.0, 3]],
+    }
+    for name, table in rows.items():
+        lines = [json.dumps({"strategy": name}), "sorted by self_device_time_total", "(a table)"]
+        lines += ["every op, device time (us), calls", *map(json.dumps, table)]
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    cmd = [sys.executable, str(ROOT / "tools" / "profile_diff.py"), str(tmp_path / "rank.txt")]
+    done = subprocess.run([*cmd, str(tmp_path / "base.txt"), "--per", "4"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = {line[:20].strip(): line[20:].split() for line in done.stdout.splitlines()[1:10]}
+    assert table["attention"] == ["0.00", "0.70"] and table["gemm"] == ["0.40", "0.50"]
+    assert table["copy, fill"] == ["0.10", "0.20"] and table["convolution"] == ["0.00", "0.10"]
+    assert table["all kernels"] == ["0.50", "1.50"]
