@@ -76,8 +76,8 @@ def _sum_then_divide(data_size, bucket):
     """DDP's all-reduce, divided by the data-parallel size instead of the world size: gradient shares summed
     over each spatial group, averaged over the data replicas. (DDP checks a hook's annotations against the
     real classes, which ``from __future__ import annotations`` turns into strings: none here.) A spatial group alone
-    (one replica) divides by nothing: no pass over every gradient (ConvNeXt-XL's 1.4 GB of fp32 gradients: about
-    0.9 ms a step on an H100)."""
+    (one replica) divides by nothing: a pass over every gradient less (ConvNeXt-XL's 1.4 GB in fp32; docs/changelog.md,
+    2026-12-06)."""
     buffer = bucket.buffer() if data_size == 1 else bucket.buffer().div_(data_size)
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda _: buffer)  # reduced in place
 
