@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from pathlib import Path
 
 # a kernel's kind, by the first pattern its name matches (profiler rows of host ops are left out)
 KINDS = (
@@ -32,7 +33,7 @@ HOST = re.compile(
 
 def kernels(path: str) -> dict[str, tuple[float, int]]:
     """Kernel name -> (device time in us, calls), from the "every op" list at the end of a profile file."""
-    listed = open(path).read().split("every op, device time (us), calls\n", 1)[1]
+    listed = Path(path).read_text().split("every op, device time (us), calls\n", 1)[1]
     rows = (json.loads(line) for line in listed.splitlines() if line)
     return {name: (us, calls) for name, us, calls in rows if us > 0 and not HOST.match(name)}
 
