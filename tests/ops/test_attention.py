@@ -349,9 +349,9 @@ def test_bias_kv_and_zero_attention_append_a_key_exactly_through_the_fallback():
 
 
 def _fused_kernel_case(device: str, dtype: torch.dtype):
-    """The fused kernels (CPU flash, CUDA memory-efficient) on shards of one rank's group, against torch's math
-    attention on the same device: the merged output and log-sum-exp feed the kernel's backward exactly as the
-    kernel wrote its own (the CUDA backward reads ``out`` with the forward's memory layout)."""
+    """The fused kernels (CPU flash; CUDA flash in bf16, memory-efficient in fp32) on shards of one rank's group,
+    against torch's math attention on the same device: the merged output and log-sum-exp feed the kernel's backward
+    exactly as the kernel wrote its own (the CUDA backward reads ``out`` with the forward's memory layout)."""
     from lightning_spatial.primitives import Axis
     from lightning_spatial.tensor import shard, unwrap
 
@@ -389,9 +389,10 @@ def test_the_fused_kernels_backward_meets_the_merged_output_in_their_own_layout(
     import lightning_spatial.mesh as mesh
     import lightning_spatial.ops.attention as attention
 
-    calls = []
-    forward = attention._ShardedKeys.forward
+    calls, kernels = [], []
+    forward, kernel = attention._ShardedKeys.forward, attention._kernel
     monkeypatch.setattr(attention._ShardedKeys, "forward", lambda *a: calls.append(a[1:4]) or forward(*a))
+    monkeypatch.setattr(attention, "_kernel", lambda *a: (lambda r: kernels.append(r[2][0]) or r)(kernel(*a)))
     # one rank, in this process: a forked child could not use CUDA after the parent asked for devices. Its group
     # must not outlive the test in the axis registry: a later forked rank would inherit it and hang freeing it
     monkeypatch.setattr(mesh, "_GROUPS", {})
@@ -401,5 +402,6 @@ def test_the_fused_kernels_backward_meets_the_merged_output_in_their_own_layout(
     finally:
         dist.destroy_process_group()
     assert calls, "the sharded-keys path did not run"
+    assert kernels == [{"cpu": "cpu", "cuda": "flash" if dtype == torch.bfloat16 else "efficient"}[device]]
     # the tokens' channels are strided here; torch 2.11's CPU flash kernel silently misreads such rows (2.14's not)
     assert all(t.stride(-1) == 1 for t in calls[0]), [t.stride() for t in calls[0]]
