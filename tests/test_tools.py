@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -88,3 +89,33 @@ def test_profile_diff_sums_kernels_by_kind_and_leaves_host_rows_out(tmp_path):
     assert table["attention"] == ["0.00", "0.70"] and table["gemm"] == ["0.40", "0.50"]
     assert table["copy, fill"] == ["0.10", "0.20"] and table["convolution"] == ["0.00", "0.10"]
     assert table["all kernels"] == ["0.50", "1.50"]
+
+
+def test_memory_peak_finds_each_places_peak_and_what_was_alive_then():
+    """tools/memory_peak.py on an allocator history: events before the fit's marker are left out, the pool's and the
+    eager allocator's peaks are found apart (by the pool's segments), freed blocks leave the peak's groups."""
+    spec = importlib.util.spec_from_file_location("memory_peak", ROOT / "tools" / "memory_peak.py")
+    memory_peak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory_peak)
+    mib = 2**20
+    conv = [{"filename": "/x/site-packages/timm/models/convnext.py", "line": 201, "name": "forward"}]
+    halo = [{"filename": "/y/lightning_spatial/halo.py", "line": 132, "name": "empty_as"}]
+
+    def alloc(addr, size, frames=()):
+        return {"action": "alloc", "addr": addr, "size": size * mib, "frames": list(frames)}
+
+    def free(addr):
+        return {"action": "free_requested", "addr": addr}
+
+    events = [alloc(0, 50, conv), {"action": "alloc", "addr": 900 * mib, "size": memory_peak.MARK, "frames": []}]
+    events += [alloc(0, 10, conv), alloc(10 * mib, 20, halo), free(10 * mib), alloc(10 * mib, 5, halo)]
+    events += [alloc(100 * mib, 30, conv), alloc(130 * mib, 8, conv), free(100 * mib), free(0)]
+    segments = [{"address": 0, "total_size": 40 * mib, "segment_pool_id": (0, 3)}]
+    segments += [{"address": 100 * mib, "total_size": 64 * mib, "segment_pool_id": (0, 0)}]
+    out = memory_peak.peaks({"device_traces": [events], "segments": segments})
+    assert out["pool_reserved_mib"] == 40 and out["pool_peak_mib"] == 30 and out["eager_peak_mib"] == 38
+    assert out["pool_at_peak"] == {
+        "forward @ timm/models/convnext.py:201 forward": [10, 1],
+        "empty_as @ halo.py:132 empty_as": [20, 1],
+    }
+    assert out["eager_at_peak"] == {"forward @ timm/models/convnext.py:201 forward": [38, 2]}
