@@ -32,7 +32,11 @@ model); a backward whose saved activations another replay may have overwritten s
 outside its span, or its own forward again) raises an error instead of computing gradients. A backward that cannot
 be captured is computed eagerly for that step (the forward again, with the same random numbers), and the module runs
 eagerly from then on, with a warning. A module with compiled code keeps a pool of its own, its backward captured
-with its forward.
+with its forward. Each capture first reserves, in the pool, one range the size of what the module's last warm-up
+call kept allocated after its forward (its saved activations and outputs), and allocates from it: the pool grows a
+segment for every block it cannot place, and a block freed in one segment never merges with its neighbour in
+another, so grown a block at a time the pool reserved 10% more than it ever held (ConvNeXt-XL, 7 x 3 x 512 x 1024
+in fp32: 36.3 GiB for a peak of 32.8 GiB; PETR's captures 6.6 GiB for 5.9).
 """
 
 from __future__ import annotations
@@ -225,7 +229,9 @@ def _capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
 class _Graphs:
     """One capture: the forward and backward graphs, their static inputs, outputs and gradients."""
 
-    def __init__(self, module: nn.Module, flat: list, spec, pool: _Pool, on_failure: Callable) -> None:
+    def __init__(
+        self, module: nn.Module, flat: list, spec, pool: _Pool, on_failure: Callable, reserve: int = 0
+    ) -> None:
         self.name, self.on_failure = type(module).__name__, on_failure
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
         self.pointers = tuple(p.data_ptr() for p in self.params)
@@ -266,7 +272,9 @@ class _Graphs:
         torch.cuda.set_rng_state(rng[1])
         self.forward_graph = torch.cuda.CUDAGraph()
         # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
+        self.reserved = max(reserve, 0)
         with _capturing(self.forward_graph, pool.handle):
+            _reserve(self.reserved)
             out = forward()
             flat_out, self.out_spec = tree_flatten(out)
             outs = [o for o in flat_out if _is(o)]
@@ -358,6 +366,14 @@ class _Graphs:
         outs = iter(_Replay.apply(self, *edges, *self.params))
         flat_out = [wrap(next(outs), value) if tensor else value for tensor, value in self.out_slots]
         return tree_unflatten(flat_out, self.out_spec)
+
+
+def _reserve(nbytes: int) -> None:
+    """One free range of ``nbytes`` in the pool being captured into (unless it has one): what the capture then
+    allocates is split from it and merges back into it when freed (the module docstring says why). Allocating
+    records no kernel."""
+    if nbytes > 0:
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda")  # freed at once, the range left in the pool
 
 
 def _rehearse(module: nn.Module, forward, wrt: list[torch.Tensor]) -> None:
@@ -494,6 +510,7 @@ class CUDAGraphed(nn.Module):
         self.warmup, self.max_signatures = warmup, max_signatures
         self._graphs: dict[tuple, _Graphs] = {}
         self._eager_calls: dict[tuple, int] = {}
+        self._kept: dict[tuple, int] = {}  # per signature, bytes its last warm-up forward left allocated
         self._warned: set[str] = set()
         self._failed = False
         self._register_state_dict_hook(_without_wrapper)
@@ -536,8 +553,12 @@ class CUDAGraphed(nn.Module):
             return self.module(*args, **kwargs)
         calls = self._eager_calls[key] = self._eager_calls.get(key, 0) + 1
         if calls <= self.warmup:
+            device = next(a.device for a in flat if _is(a))
+            before = torch.cuda.memory_allocated(device)
             with _uncached_autocast():  # as the capture will run it: compiled code guards on the cast cache
-                return self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+            self._kept[key] = torch.cuda.memory_allocated(device) - before
+            return out
         if graphs is None and len(self._graphs) >= self.max_signatures:  # each capture holds its activations
             if not self._failed:  # after a failed capture that warning said enough
                 self._warn_once(
@@ -548,7 +569,7 @@ class CUDAGraphed(nn.Module):
             return self.module(*args, **kwargs)
         pool = _Pool.for_capture(self.module)
         try:
-            graphs = _Graphs(self.module, flat, spec, pool, self._capture_failed)
+            graphs = _Graphs(self.module, flat, spec, pool, self._capture_failed, self._kept.pop(key, 0))
             self._graphs[key] = graphs
         except Exception as error:  # noqa: BLE001 - whatever stops a capture, the module still runs, eagerly
             pool.close()  # later captures go to a new pool, not one a capture failed in

@@ -243,6 +243,23 @@ def test_modules_captured_in_one_step_share_a_pool_and_replay_as_eager(determini
 
 
 @gpu
+def test_a_capture_allocates_from_one_range_the_size_its_warmup_forward_kept(deterministic):
+    """The capture reserves one range in its pool as large as the warm-up forward's saved activations and outputs
+    (more than any one activation) and the replays still train as eager: the pool is not grown a block at a time."""
+    eager, graphed = make(), CUDAGraphed(make(), warmup=1)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    inputs = [torch.randn(8, 3, 256, 256, device="cuda", generator=g) for _ in range(3)]
+    for model in (eager, graphed):
+        train(model, inputs)
+    assert_close_weights(eager, graphed, 1e-5)
+    (graphs,) = graphed._graphs.values()
+    pool = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(graphs.pool.handle)]
+    largest_activation = 8 * 40 * 64 * 64 * 4 * 4  # convnext_atto's stage-1 MLP hidden map, fp32
+    assert graphs.reserved > 4 * largest_activation
+    assert max(s["total_size"] for s in pool) >= graphs.reserved
+
+
+@gpu
 def test_branches_whose_backwards_run_in_forward_order_replay_as_eager(deterministic):
     """Two blocks on one input, each with a backward of its own, A's first: captured in that order (A's backward
     while B's saved activations are held), they share a pool and train to eager's weights, step after step."""
