@@ -272,7 +272,7 @@ class _Graphs:
         torch.cuda.set_rng_state(rng[1])
         self.forward_graph = torch.cuda.CUDAGraph()
         # thread_local: a DataLoader's pin-memory thread may call CUDA while we capture
-        self.reserved = max(reserve, 0)
+        self.reserved = reserve
         with _capturing(self.forward_graph, pool.handle):
             _reserve(self.reserved)
             out = forward()
@@ -557,7 +557,7 @@ class CUDAGraphed(nn.Module):
             before = torch.cuda.memory_allocated(device)
             with _uncached_autocast():  # as the capture will run it: compiled code guards on the cast cache
                 out = self.module(*args, **kwargs)
-            self._kept[key] = torch.cuda.memory_allocated(device) - before
+            self._kept[key] = max(torch.cuda.memory_allocated(device) - before, 0)  # a forward may free more
             return out
         if graphs is None and len(self._graphs) >= self.max_signatures:  # each capture holds its activations
             if not self._failed:  # after a failed capture that warning said enough
