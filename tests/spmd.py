@@ -74,6 +74,7 @@ def _worker(rank, world_size, init, fn, args, results) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+        dist.barrier()  # every rank has connected before any can finish and close its connections mid-rendezvous
         fn(*args)
     except BaseException:  # noqa: BLE001 - report everything to the parent
         error = traceback.format_exc()
