@@ -52,6 +52,9 @@ def _case(name, bev_shard=None):
     batch = _as(batch, torch.float64)
 
     names = [k for k in ("images", "prev_images") if k in batch]  # sharded like the strategy's collate does
+    embedded = []  # what PETR's 3-D position MLP embeds: this rank's columns of the frustum, not all of them
+    if isinstance(model, PETR):
+        model.position.encoder.register_forward_pre_hook(lambda module, args: embedded.append(args[0]))
 
     def loss(*images):
         torch.manual_seed(1)  # the same denoising queries on one process and on the shards
@@ -72,6 +75,9 @@ def _case(name, bev_shard=None):
         str(w.message).split(marker)[0].removeprefix("lightning_spatial: ") for w in caught if marker in str(w.message)
     }
     assert fallbacks <= allowed, fallbacks
+    on_shards = [x for x in embedded if isinstance(x, SpatialTensor) and x.shard_layout.shards]
+    assert len(on_shards) == len(embedded) / 2, [type(x).__name__ for x in embedded]  # the sharded run's half
+    assert bool(embedded) == isinstance(model, PETR)
 
 
 @pytest.mark.parametrize("name", list(CASES))
