@@ -198,7 +198,7 @@ def strategy(args):
     from lightning_spatial import HorovodStrategy, SpatialParallelStrategy
 
     if args.strategy == "spatial_tp":
-        graphs = {"auto": "auto", "off": False}.get(args.cuda_graphs) or args.cuda_graphs.split(",")
+        graphs = {"auto": "auto", "off": False}.get(args.cuda_graphs, args.cuda_graphs.split(","))
         bev_shard = None if args.bev_shard == "none" else args.bev_shard
         planes = tasks.task(args).bev_planes if bev_shard and args.bev_planes == "model" else None
         return SpatialParallelStrategy(
