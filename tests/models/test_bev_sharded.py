@@ -1,13 +1,12 @@
 """The unchanged BEV modules on width-sharded images (2 gloo ranks, float64): loss and image gradient equal the
 single-process ones, with every op on a spatial handler: Lift-Splat's voxel pooling (``index_add``), PETRv2's
 cross-attention over camera tokens and, with the BEV plane sharded, the ResNet BEV encoder included; empty inputs
-too (no queries, samples and whole batches without boxes), as on one device. A module may take the exact gather
-fallback only for the ops in its ``allowed`` set (none today), so a new fallback fails here."""
+too (no queries, samples and whole batches without boxes), as on one device. No op may take the gather fallback
+(the run's ``fallback="error"``), so a new fallback fails here."""
 
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -22,19 +21,19 @@ from tests.models.surround import surround_batch
 from tests.oracle import assert_rel_close, check
 from tests.spmd import LAYOUTS, axes, run_spmd
 
-CASES = {  # name -> (model, its options, box counts per sample, allowed fallbacks)
-    "lift_splat": (LiftSplat.tiny, {}, [3], set()),  # voxel pooling of the frustum features: ops.index
-    "simple_bev": (SimpleBEV.tiny, {}, [3], set()),
-    "lift_splat_resnet": (LiftSplat.tiny, dict(bev_encoder="resnet18"), [3], set()),  # the replicated BEV's ResNet
-    "simple_bev_resnet": (SimpleBEV.tiny, dict(bev_encoder="resnet18"), [3], set()),
-    "petrv2": (PETR.tiny, dict(temporal=True, feature_guided_pe=True), [3], set()),  # cross-attention: ops.attention
-    "petr_denoising": (PETR.tiny, dict(denoise_groups=2), [3], set()),  # extra queries, a self-attention mask
+CASES = {  # name -> (model, its options, box counts per sample)
+    "lift_splat": (LiftSplat.tiny, {}, [3]),  # voxel pooling of the frustum features: ops.index
+    "simple_bev": (SimpleBEV.tiny, {}, [3]),
+    "lift_splat_resnet": (LiftSplat.tiny, dict(bev_encoder="resnet18"), [3]),  # the replicated BEV's ResNet
+    "simple_bev_resnet": (SimpleBEV.tiny, dict(bev_encoder="resnet18"), [3]),
+    "petrv2": (PETR.tiny, dict(temporal=True, feature_guided_pe=True), [3]),  # cross-attention: ops.attention
+    "petr_denoising": (PETR.tiny, dict(denoise_groups=2), [3]),  # extra queries, a self-attention mask
     # empty inputs: a sample without boxes beside one with boxes, a batch without any, no matching queries
-    "lift_splat_empty_sample": (LiftSplat.tiny, {}, [0, 2], set()),
-    "simple_bev_empty_batch": (SimpleBEV.tiny, {}, [0, 0], set()),
-    "petr_empty_batch": (PETR.tiny, dict(denoise_groups=2), [0, 0], set()),
-    "petr_no_queries": (PETR.tiny, dict(num_queries=0), [3], set()),
-    "petr_no_queries_denoising": (PETR.tiny, dict(num_queries=0, denoise_groups=2), [2, 0], set()),
+    "lift_splat_empty_sample": (LiftSplat.tiny, {}, [0, 2]),
+    "simple_bev_empty_batch": (SimpleBEV.tiny, {}, [0, 0]),
+    "petr_empty_batch": (PETR.tiny, dict(denoise_groups=2), [0, 0]),
+    "petr_no_queries": (PETR.tiny, dict(num_queries=0), [3]),
+    "petr_no_queries_denoising": (PETR.tiny, dict(num_queries=0, denoise_groups=2), [2, 0]),
 }
 
 
@@ -44,7 +43,7 @@ def _as(batch: dict, dtype: torch.dtype) -> dict:
 
 
 def _case(name, bev_shard=None):
-    make, options, boxes, allowed = CASES[name]
+    make, options, boxes = CASES[name]
     torch.manual_seed(0)
     model = make(**options).double()
     temporal = options.get("temporal", False)
@@ -60,21 +59,7 @@ def _case(name, bev_shard=None):
         torch.manual_seed(1)  # the same denoising queries on one process and on the shards
         return model.loss(model({**batch, **dict(zip(names, images))}), batch)["loss"]
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        check(
-            loss,
-            [batch[k] for k in names],
-            sharded=range(len(names)),
-            axes=axes("w2"),
-            allow_fallback=True,
-            bev_shard=bev_shard,
-        )
-    marker = " has no spatial handler"
-    fallbacks = {
-        str(w.message).split(marker)[0].removeprefix("lightning_spatial: ") for w in caught if marker in str(w.message)
-    }
-    assert fallbacks <= allowed, fallbacks
+    check(loss, [batch[k] for k in names], sharded=range(len(names)), axes=axes("w2"), bev_shard=bev_shard)
     on_shards = [x for x in embedded if isinstance(x, SpatialTensor) and x.shard_layout.shards]
     assert len(on_shards) == len(embedded) / 2, [type(x).__name__ for x in embedded]  # the sharded run's half
     assert bool(embedded) == isinstance(model, PETR)
