@@ -7,7 +7,8 @@
 #   bash tools/bev_h200.sh trainer    # ${MODELS:-bevformer lift_splat simple_bev} (or petr) through the Trainer as
 #                                       # users run them (default CUDA graphs, bev_shard="x"), one rank of each S in
 #                                       # ${S:-4} ("4 8": both; fake group) beside one device, ${PRECISION:-32-true};
-#                                       # EXTRA="--profile": an op table to $OUT; S=8 EXTRA="--tiles 2x4": 2-D tiles
+#                                       # EXTRA="--profile": an op table to $OUT; S=8 EXTRA="--tiles 2x4": 2-D tiles;
+#                                       # HW="900 1600": Lift-Splat's and Simple-BEV's images (default 512 1408)
 #   bash tools/bev_h200.sh gputests   # the GPU tests, each file in a pytest run of its own (README)
 #   bash tools/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on ${GPUS:-2} GPUs (S = GPUS) for
 #                                       # ${MINUTES:-6} minutes;
@@ -41,9 +42,10 @@ case "${1:-memory}" in
       done
     done ;;
   trainer)
+    read -r h w <<< "${HW:-512 1408}"  # Lift-Splat's and Simple-BEV's images (HW="900 1600")
     declare -A size=([bevformer]="--height 900 --width 1600" [petr]="--height 900 --width 1600"
-                     [lift_splat]="--height 512 --width 1408 --bev-size 200,200"
-                     [simple_bev]="--height 512 --width 1408 --bev-size 200,200")
+                     [lift_splat]="--height $h --width $w --bev-size 200,200"
+                     [simple_bev]="--height $h --width $w --bev-size 200,200")
     for s in ${S:-4}; do
       for model in ${MODELS:-bevformer lift_splat simple_bev}; do
         python3 benchmarks/trainer_step.py --strategy spatial_tp --fake-world "$s" --baseline device --batch 1 \
