@@ -51,10 +51,11 @@ class PositionEmbedding3D(nn.Module):
         points = frustum_to_ego(lidar2img, self.depths, features.shape[-2:], image_hw)
         coords = inverse_sigmoid((points - self.low) / self.extent)
         b, n, d, h, w, _ = coords.shape
-        coords = coords.permute(0, 1, 2, 5, 3, 4).reshape(b * n, d * 3, h, w).to(features.dtype)
+        coords = coords.permute(0, 1, 2, 5, 3, 4).reshape(b * n, d * 3, h, w)
         # Zeros laid out like the features cut the frustum (made from the map's size: whole) to their layout before
-        # the MLP: under spatial_tp each rank embeds its own columns, not every camera column (a no-op on one device).
-        embedding = self.encoder(coords + torch.zeros_like(features[:, :1]))
+        # the MLP: under spatial_tp each rank embeds its own columns, not every camera column (a no-op on one device);
+        # cast after the cut, so that only those columns are copied.
+        embedding = self.encoder((coords + torch.zeros_like(features[:, :1])).to(features.dtype))
         return embedding if self.gate is None else embedding * self.gate(features).sigmoid()
 
 
