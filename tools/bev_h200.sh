@@ -7,7 +7,8 @@
 #   bash tools/bev_h200.sh trainer    # ${MODELS:-bevformer lift_splat simple_bev} (or petr) through the Trainer as
 #                                       # users run them (default CUDA graphs, bev_shard="x"), one rank of each S in
 #                                       # ${S:-4} ("4 8": both; fake group) beside one device, ${PRECISION:-32-true};
-#                                       # EXTRA="--profile": an op table to $OUT; S=8 EXTRA="--tiles 2x4": 2-D tiles;
+#                                       # EXTRA="--profile": an op table to $OUT; S=8 EXTRA="--tiles 4x2 --bev-shard xy":
+#                                       # 2-D tiles, the BEV grid cut both ways;
 #                                       # HW="900 1600": Lift-Splat's and Simple-BEV's images (default 512 1408)
 #   bash tools/bev_h200.sh gputests   # the GPU tests, each file in a pytest run of its own (README)
 #   bash tools/bev_h200.sh train      # experiment=${EXPERIMENT:-petr_convnext} on ${GPUS:-2} GPUs (S = GPUS) for
