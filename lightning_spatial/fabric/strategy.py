@@ -65,7 +65,9 @@ class SpatialParallelStrategy(DDPStrategy):
             features, a ``grid_sample`` of sharded images) end: ``None`` (default): replicated on every rank of the
             spatial group (one all-reduce); ``"x"``, ``"y"``, ``"xy"``: sharded along the grid's X (second to last
             dim), Y (last dim) or both (2-D tiles, over the two axes of a 2-D group), by one reduce-scatter, so the
-            BEV encoder and head after the splat run on 1/S of the grid (``ops.pending``). No change to the model.
+            BEV encoder and head after the splat run on 1/S of the grid (``ops.pending``). On a 2-D group ``"x"`` and
+            ``"y"`` cut over its first axis (the rows of tiles) only, so each rank holds 1/S_h of the grid: use
+            ``"xy"`` there. No change to the model.
         bev_planes: with ``bev_shard``, parameters that are themselves a BEV grid (BEVFormer's learned queries), by
             name (as ``named_parameters`` gives it) -> the dims of its X and Y, e.g. ``{"bev_queries": (0, 1)}``: read
             as this rank's cells whenever their module runs, so the layers before the first splat or sample run on
