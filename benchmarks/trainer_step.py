@@ -22,7 +22,10 @@ shard of the input (``shard``) or on the whole input (``device``), and the row h
 ``--batch`` is per process for data parallel strategies and per spatial group for ``spatial_tp`` (every rank of
 a group loads the same samples and keeps its columns). Samples are fixed random images held in memory, so the
 loader costs only the copy; the median of the timed steps (forward, backward, optimizer) and rank 0's peak memory are
-reported by rank 0. CPU smoke run: ``--accelerator cpu --model convnext_atto --height 32 --width 64``.
+reported by rank 0. Each timed step runs between two device synchronisations, so a step's host time before its first
+kernel counts; ``--timing window`` times the steps back to back instead, as a training run runs them (the host queues
+the next step while the device finishes this one), and reports their mean. CPU smoke run: ``--accelerator cpu
+--model convnext_atto --height 32 --width 64``.
 """
 
 from __future__ import annotations
@@ -99,6 +102,14 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="profile the first timed step of local rank 0 or a fake rank, and the baseline's",
     )
+    p.add_argument(
+        "--timing",
+        choices=("step", "window"),
+        default="step",
+        help="step: each timed step between two device synchronisations, the median; window: the timed steps back to "
+        "back, synchronised before the first and after the last only, as a training run runs them (the host queues "
+        "the next step while the device runs this one), step_ms their mean",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--accelerator", default="gpu")
@@ -147,8 +158,8 @@ def model_and_data(args, length: int):
 
 
 class StepTimer(L.Callback):
-    def __init__(self, warmup: int, profile_to: str | None = None, options: dict | None = None):
-        self.warmup, self.times, self.profiler = warmup, [], None
+    def __init__(self, warmup: int, profile_to: str | None = None, options: dict | None = None, window: bool = False):
+        self.warmup, self.times, self.profiler, self.window = warmup, [], None, window
         self.graphed: dict[str, bool] = {}  # at the last step (the strategy unwraps at its teardown)
         # at the end of the last step, GiB: what the graphs' private pools reserve, and the rest of the device's memory
         # that the caching allocator reserves and of that the live tensors' (where a rank's memory goes)
@@ -160,18 +171,23 @@ class StepTimer(L.Callback):
             torch.cuda.synchronize(trainer.strategy.root_device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._sync(trainer)
+        if not self.window or batch_idx <= self.warmup:
+            self._sync(trainer)
         if batch_idx == self.warmup and trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         if batch_idx == self.warmup and self.profile_to and trainer.local_rank == 0:  # FakeRank plays rank 1
             self.profiler = torch.profiler.profile()  # CPU, and CUDA where there is one
             self.profiler.__enter__()
-        self.start = time.perf_counter()
+        if not self.window or batch_idx <= self.warmup:
+            self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._sync(trainer)
-        if batch_idx >= self.warmup:
-            self.times.append((time.perf_counter() - self.start) * 1e3)
+        last = batch_idx == trainer.max_steps - 1
+        if not self.window or batch_idx < self.warmup or last:
+            self._sync(trainer)
+        if batch_idx >= self.warmup and (not self.window or last):
+            steps = batch_idx - self.warmup + 1 if self.window else 1
+            self.times.append((time.perf_counter() - self.start) * 1e3 / steps)
         if self.profiler is not None:  # the profiled step is timed too: its row says so ("profile": true)
             self.profiler.__exit__(None, None, None)
             table = self.profiler.key_averages()
@@ -229,7 +245,8 @@ def measure(args, plugins: list) -> dict:
     model, loader = model_and_data(args, (args.warmup + args.steps) * args.batch * 8)
     name = f"profile_{args.strategy}_{args.model}_{args.precision}_{os.getpid()}.txt"  # one per run; options inside
     options = {k: v for k, v in vars(args).items() if k != "out"}
-    timer = StepTimer(args.warmup, os.path.join(args.out, name) if args.profile else None, options)
+    profile_to = os.path.join(args.out, name) if args.profile else None
+    timer = StepTimer(args.warmup, profile_to, options, window=args.timing == "window")
     if args.accelerator == "gpu":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -300,6 +317,8 @@ def rank_played(args) -> int:
 
 def main() -> None:
     args = parse()
+    if args.timing == "window" and args.profile:
+        raise SystemExit("--profile synchronises the device after the step it profiles: use it with --timing step")
     os.makedirs(args.out, exist_ok=True)
     options = {k: v for k, v in vars(args).items() if k != "out"}
     row = {**options}

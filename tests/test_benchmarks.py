@@ -176,6 +176,25 @@ def test_trainer_benchmark_plays_a_tile_of_a_2d_group(tmp_path):
     assert row["baseline_run"]["input_hw"] == [32, 48]
 
 
+def test_trainer_benchmark_times_a_window_of_steps(tmp_path):
+    """``--timing window``: the timed steps run back to back, one mean for the rank and one for its baseline (the
+    range is that one value); ``--profile`` would synchronise inside the window, so the two are refused together."""
+    args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", "convnext_atto", "--height", "32"]
+    args += ["--width", "64", "--fake-world", "2", "--baseline", "shard", "--steps", "3", "--warmup", "1"]
+    row = _trainer_step_row(tmp_path, [*args, "--timing", "window"])
+    assert row["timing"] == "window" and row["world"] == 2
+    for run in (row, row["baseline_run"]):
+        assert run["step_ms"] > 0 and run["step_ms_range"] == [round(run["step_ms"], 1)] * 2
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "trainer_step.py"), *args, "--timing", "window", "--profile"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert refused.returncode != 0 and "--profile synchronises the device" in refused.stderr
+
+
 @pytest.mark.parametrize("model", ["petr_tiny", "lift_splat_tiny", "simple_bev_tiny", "bevformer_tiny"])
 def test_trainer_benchmark_trains_the_bev_detectors_with_the_bev_sharded(tmp_path, model):
     """The BEV detectors through the Trainer (the surround collate hook, ``--bev-shard x``): one rank of 2 beside the
