@@ -42,7 +42,7 @@ from ..capture import Watch
 from ..mesh import Axis, SpatialDims
 from ..run import FallbackMode
 from ..sharding import Select
-from ..strategies._gradients import before_ddp, register_comm_hook, share
+from ..strategies._gradients import before_ddp, broadcasts_buffers, register_comm_hook, share
 from ..strategies._groups import SpatialGroups
 from ..strategies._launch import environment_kept, launch_kind, register
 from ..strategies._loaders import sharded
@@ -83,7 +83,9 @@ class SpatialParallelStrategy(DDPStrategy):
             averages over the world, and its result is scaled to the data-parallel mean.
         start_method, timeout, process_group_backend: as for Fabric's ``DDPStrategy``; ``timeout`` holds for every
             process group (a stalled neighbour raises after it). Other keyword arguments go to
-            ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``, ``gradient_as_bucket_view``).
+            ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``, ``gradient_as_bucket_view``; ``broadcast_buffers``
+            defaults to whether there are several data-parallel replicas: a spatial group's ranks compute the same
+            buffers).
     """
 
     strategy_name = "spatial_tp"
@@ -197,7 +199,8 @@ class SpatialParallelStrategy(DDPStrategy):
         if watch:
             self._first_steps.append(_FirstTrainingStep(module))
         before_ddp(module, self._run)
-        ddp = _NamingDistributedDataParallel(module, device_ids=self._determine_ddp_device_ids(), **self._ddp_kwargs)
+        kwargs = {"broadcast_buffers": broadcasts_buffers(self.dims), **self._ddp_kwargs}
+        ddp = _NamingDistributedDataParallel(module, device_ids=self._determine_ddp_device_ids(), **kwargs)
         register_comm_hook(ddp, self.dims, self._user_comm_hook, replays=bool(self._cuda_graphs) or watch)
         self._run.adopt(module)
         return ddp

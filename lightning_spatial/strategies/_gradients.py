@@ -1,5 +1,5 @@
 """How a spatial strategy reduces weight gradients: the split-gradient convention (docs/design.md), for the Trainer
-and for Fabric alike.
+and for Fabric alike; and where DDP's buffer broadcast is needed.
 
 ``share`` seeds the replicated loss with ``1/S`` on each of the ``S`` ranks of a spatial group, so a sharded
 tensor's gradient (``x.grad`` of a sharded input) is exactly its part of the true gradient, and a weight's gradient
@@ -27,6 +27,14 @@ UserHook = tuple[object | None, Callable | None, Callable | None]  # (ddp_comm_s
 def share(loss: torch.Tensor, dims: SpatialDims) -> torch.Tensor:
     """This rank's ``1/S`` of the replicated loss, to call backward on."""
     return loss / dims.spatial_size
+
+
+def broadcasts_buffers(dims: SpatialDims) -> bool:
+    """DDP's ``broadcast_buffers`` unless the user sets it: rank 0's buffers sent to every rank before each forward
+    only where ranks compute different ones, across data-parallel replicas. The ranks of one spatial group compute
+    the same buffers (BatchNorm's running statistics come from the group's statistics; every reduction spans the
+    whole image), so a run of one group skips that broadcast every step."""
+    return dims.data > 1
 
 
 def before_ddp(module: torch.nn.Module, run: ExitStack) -> None:

@@ -59,7 +59,7 @@ from ..plan import Plan, accumulation, describe_batches, make_plan, parse_budget
 from ..run import FallbackMode
 from ..sharding import Select, describe
 from ..tensor import SpatialTensor, gather
-from ._gradients import before_ddp, register_comm_hook, share
+from ._gradients import before_ddp, broadcasts_buffers, register_comm_hook, share
 from ._groups import SpatialGroups
 from ._launch import environment_kept, launch_kind, register
 from ._loaders import prepare_loader, sharded
@@ -115,7 +115,9 @@ class SpatialParallelStrategy(DDPStrategy):
             data-parallel mean (see the module docstring).
         start_method, timeout, process_group_backend: as for ``DDPStrategy``; ``timeout`` holds for every
             process group (a stalled neighbour raises after it). Other keyword arguments go to
-            ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``, ``gradient_as_bucket_view``).
+            ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``, ``gradient_as_bucket_view``; ``broadcast_buffers``
+            defaults to whether there are several data-parallel replicas: a spatial group's ranks compute the same
+            buffers).
     """
 
     strategy_name = "spatial_tp"
@@ -289,7 +291,8 @@ class SpatialParallelStrategy(DDPStrategy):
         network as a CUDA graph; then the gradient accumulators DDP keeps belong to that stream, and every backward
         on the default one warns of the mismatch and may synchronize (Lightning #21567). Our graphs read aliases
         of the parameters (lightning_spatial.graphs) and do not need it."""
-        return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+        kwargs = {"broadcast_buffers": broadcasts_buffers(self.dims), **self._ddp_kwargs}
+        return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **kwargs)
 
     @override
     def configure_ddp(self) -> None:

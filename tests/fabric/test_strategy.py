@@ -123,6 +123,25 @@ def test_collectives_span_the_data_replicas_and_votes_every_rank():
     run_spmd(_collectives, 4)
 
 
+def _buffers(devices: int, broadcasts: bool) -> None:
+    fabric = launched(devices, 2, sync_batchnorm=True)
+    model, optimizer = segnet(fabric)
+    assert model._forward_module.broadcast_buffers is broadcasts  # the DistributedDataParallel
+    loader = fabric.setup_dataloaders(DataLoader(Images(4, 16, 24), batch_size=4 // (devices // 2)))
+    train(fabric, model, optimizer, loader, 2)
+    for name, buffer in model.module.named_buffers():  # every rank's (Fabric's all_gather spans the replicas only)
+        ranks = [torch.empty_like(buffer) for _ in range(devices)]
+        dist.all_gather(ranks, buffer.contiguous())
+        assert all(torch.equal(r, ranks[0]) for r in ranks), f"{name} differs between ranks"
+
+
+@pytest.mark.parametrize("devices,broadcasts", [(2, False), (4, True)])
+def test_buffers_are_broadcast_only_between_replicas(devices, broadcasts):
+    """One spatial group leaves out DDP's buffer broadcast before each forward (its ranks compute the same BatchNorm
+    statistics, to the bit); data-parallel replicas keep it."""
+    run_spmd(_buffers, devices, devices, broadcasts)
+
+
 def _precisions() -> None:
     """2 steps under every precision plugin, the loss under ``fabric.autocast()``, no fallback."""
     for precision in ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true"):

@@ -126,3 +126,39 @@ def test_batchnorm_models_match_single_device_in_float64(name, shard_dim, height
     strategy = SpatialParallelStrategy(2, shard_dim, start_method="fork")
     # one data replica in the reference's sample order
     fit(LitModel(name), strategy, 2, data, 4, precision="64-true", use_distributed_sampler=False, callbacks=[check])
+
+
+class BuffersOfEveryRank(L.Callback):
+    """At the end of training, in each rank: whether DDP broadcast the buffers, and every rank's buffers, gathered."""
+
+    def __init__(self, broadcasts: bool):
+        self.broadcasts = broadcasts
+
+    def on_train_end(self, trainer, pl_module):
+        assert trainer.strategy.model.broadcast_buffers is self.broadcasts
+        for name, buffer in pl_module.named_buffers():
+            ranks = [torch.empty_like(buffer) for _ in range(trainer.world_size)]
+            torch.distributed.all_gather(ranks, buffer.contiguous())
+            assert all(torch.equal(r, ranks[0]) for r in ranks), f"{name} differs between ranks"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "spatial,devices,asked,broadcasts", [(2, 2, None, False), (2, 4, None, True), (2, 2, True, True)]
+)
+def test_buffers_are_broadcast_only_between_replicas(spatial, devices, asked, broadcasts):
+    """A run of one spatial group leaves out DDP's buffer broadcast before each forward: its ranks compute the same
+    BatchNorm running statistics, to the bit (SegNet, 3 steps). With data-parallel replicas, which compute their own,
+    DDP broadcasts them as usual (synced BatchNorm: they agree anyway), and a ``broadcast_buffers`` the user passes
+    holds."""
+    kwargs = {} if asked is None else {"broadcast_buffers": asked}
+    strategy = SpatialParallelStrategy(spatial, "width", start_method="fork", **kwargs)
+    fit(
+        LitModel("segnet"),
+        strategy,
+        devices,
+        Images(4, 16, 24),
+        4 // (devices // spatial),
+        sync_batchnorm=devices > spatial,
+        callbacks=[BuffersOfEveryRank(broadcasts)],
+    )
