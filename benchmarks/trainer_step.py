@@ -171,14 +171,15 @@ class StepTimer(L.Callback):
             torch.cuda.synchronize(trainer.strategy.root_device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if not self.window or batch_idx <= self.warmup:
+        alone = not self.window or batch_idx <= self.warmup  # a step timed on its own (a window's first)
+        if alone:
             self._sync(trainer)
         if batch_idx == self.warmup and trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         if batch_idx == self.warmup and self.profile_to and trainer.local_rank == 0:  # FakeRank plays rank 1
             self.profiler = torch.profiler.profile()  # CPU, and CUDA where there is one
             self.profiler.__enter__()
-        if not self.window or batch_idx <= self.warmup:
+        if alone:
             self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

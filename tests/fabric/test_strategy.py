@@ -27,7 +27,7 @@ from lightning_spatial.fabric.strategy import _FirstTrainingStep
 from lightning_spatial.graphs import CUDAGraphed
 from tests.spmd import as_torchrun, run_spmd
 from tests.strategy.lit import Images, SegNet, make_model
-from tests.strategy.test_equivalence import assert_same_weights
+from tests.strategy.test_equivalence import assert_same_buffers_in_every_rank, assert_same_weights
 from tests.strategy.test_fallback import Cumprod
 from tests.strategy.test_strategy import BAD_ARGUMENTS
 
@@ -129,10 +129,7 @@ def _buffers(devices: int, broadcasts: bool) -> None:
     assert model._forward_module.broadcast_buffers is broadcasts  # the DistributedDataParallel
     loader = fabric.setup_dataloaders(DataLoader(Images(4, 16, 24), batch_size=4 // (devices // 2)))
     train(fabric, model, optimizer, loader, 2)
-    for name, buffer in model.module.named_buffers():  # every rank's (Fabric's all_gather spans the replicas only)
-        ranks = [torch.empty_like(buffer) for _ in range(devices)]
-        dist.all_gather(ranks, buffer.contiguous())
-        assert all(torch.equal(r, ranks[0]) for r in ranks), f"{name} differs between ranks"
+    assert_same_buffers_in_every_rank(model.module, devices)  # Fabric's all_gather would span the replicas only
 
 
 @pytest.mark.parametrize("devices,broadcasts", [(2, False), (4, True)])

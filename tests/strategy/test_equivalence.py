@@ -128,6 +128,14 @@ def test_batchnorm_models_match_single_device_in_float64(name, shard_dim, height
     fit(LitModel(name), strategy, 2, data, 4, precision="64-true", use_distributed_sampler=False, callbacks=[check])
 
 
+def assert_same_buffers_in_every_rank(module: torch.nn.Module, world_size: int) -> None:
+    """Every rank's buffers, gathered over the world: equal to the bit (collective: every rank calls it)."""
+    for name, buffer in module.named_buffers():
+        ranks = [torch.empty_like(buffer) for _ in range(world_size)]
+        torch.distributed.all_gather(ranks, buffer.contiguous())
+        assert all(torch.equal(r, ranks[0]) for r in ranks), f"{name} differs between ranks"
+
+
 class BuffersOfEveryRank(L.Callback):
     """At the end of training, in each rank: whether DDP broadcast the buffers, and every rank's buffers, gathered."""
 
@@ -136,10 +144,7 @@ class BuffersOfEveryRank(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         assert trainer.strategy.model.broadcast_buffers is self.broadcasts
-        for name, buffer in pl_module.named_buffers():
-            ranks = [torch.empty_like(buffer) for _ in range(trainer.world_size)]
-            torch.distributed.all_gather(ranks, buffer.contiguous())
-            assert all(torch.equal(r, ranks[0]) for r in ranks), f"{name} differs between ranks"
+        assert_same_buffers_in_every_rank(pl_module, trainer.world_size)
 
 
 @pytest.mark.slow
