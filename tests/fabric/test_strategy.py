@@ -124,7 +124,7 @@ def test_collectives_span_the_data_replicas_and_votes_every_rank():
 
 
 def _buffers(devices: int, broadcasts: bool) -> None:
-    fabric = launched(devices, 2, sync_batchnorm=True)
+    fabric = launched(devices, 2, sync_batchnorm=True, fallback="error")
     model, optimizer = segnet(fabric)
     assert model._forward_module.broadcast_buffers is broadcasts  # the DistributedDataParallel
     loader = fabric.setup_dataloaders(DataLoader(Images(4, 16, 24), batch_size=4 // (devices // 2)))

@@ -157,7 +157,7 @@ def test_buffers_are_broadcast_only_between_replicas(spatial, devices, asked, br
     DDP broadcasts them as usual (synced BatchNorm: they agree anyway), and a ``broadcast_buffers`` the user passes
     holds."""
     kwargs = {} if asked is None else {"broadcast_buffers": asked}
-    strategy = SpatialParallelStrategy(spatial, "width", start_method="fork", **kwargs)
+    strategy = SpatialParallelStrategy(spatial, "width", fallback="error", start_method="fork", **kwargs)
     fit(
         LitModel("segnet"),
         strategy,
