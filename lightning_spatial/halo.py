@@ -133,14 +133,14 @@ def empty_as(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
 
 
 @planned
-def _memory_order(strides: tuple[int, ...]) -> tuple[int, ...]:
+def memory_order(strides: tuple[int, ...]) -> tuple[int, ...]:
     """Dims from outermost to innermost in memory; ties (a size-1 dim) keep their index order."""
     return tuple(sorted(range(len(strides)), key=lambda d: strides[d], reverse=True))
 
 
 @planned
 def _strides_like(strides: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
-    order = _memory_order(strides)
+    order = memory_order(strides)
     out, step = [0] * len(shape), 1
     for d in reversed(order):
         out[d], step = step, step * shape[d]
@@ -181,7 +181,7 @@ def _laid_out_like(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def _cat(parts: list[torch.Tensor], dim: int, out: torch.Tensor) -> None:
     """``torch.cat(parts, dim, out=out)`` on views whose dims are in memory order (``out`` dense, every part laid
     out like it): the copy runs as over contiguous tensors."""
-    order = _memory_order(out.stride())
+    order = memory_order(out.stride())
     if order == tuple(range(len(order))):  # already in memory order (NCHW): no views to make
         torch.cat(parts, dim, out=out)
     else:
@@ -385,4 +385,4 @@ def fetch_window(
     return _FetchWindow.apply(x, plan, shard.dim, shard, fill, own_grad)
 
 
-__all__ = ["empty_as", "fetch_window"]
+__all__ = ["empty_as", "fetch_window", "memory_order"]

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..halo import fetch_window
+from ..halo import fetch_window, memory_order
 from ..layout import DimShard, partition
 from ..plans import planned
 from ..tensor import unwrap, wrap
@@ -86,19 +86,35 @@ def _windows(mode, n, out, align_corners, scale_factor, wide, parts) -> tuple[tu
 
 @planned(maxsize=256)
 def _local_taps(mode, n, out, align_corners, scale_factor, wide, parts, index, dtype, device):
-    """This rank's taps (rows relative to its window, weights) on the device, built once."""
+    """This rank's taps on the device, built once: per tap, the source rows its output rows read (relative to its
+    window) and their weights; no weights for nearest modes (one tap of weight 1)."""
     rows, weights = taps(mode, n, out, align_corners, scale_factor, wide)
     lo, hi = partition(out, parts)[index]
     first = _windows(mode, n, out, align_corners, scale_factor, wide, parts)[index][0]
-    return (rows[lo:hi] - first).to(device), weights[lo:hi].to(device=device, dtype=dtype)
+    rows = tuple(r.contiguous() for r in (rows[lo:hi] - first).T.to(device))
+    if mode in ("nearest", "nearest-exact"):
+        return rows, None
+    return rows, tuple(w.contiguous() for w in weights[lo:hi].T.to(device=device, dtype=dtype))
 
 
 def _resample_dim(y: torch.Tensor, s: DimShard, out: int, mode: str, align_corners: bool, scale_factor):
+    """Dim ``s.dim`` resampled: each tap's source rows picked by ``index_select`` (whose backward adds each row's
+    gradient to its source row) and weighted, summed tap by tap as torch's kernels do. Picked in ``y``'s memory
+    order, so the result keeps its layout (channels_last stays channels_last)."""
     key = (mode, s.size, out, align_corners, scale_factor, _accumulation(y.dtype), s.axis.size)
     y = fetch_window(y, s, _windows(*key))
-    local_rows, w = _local_taps(*key, s.axis.index, y.dtype, y.device)
-    picked = y.movedim(s.dim, -1)[..., local_rows]  # (..., rows, taps)
-    return (picked * w).sum(-1).movedim(-1, s.dim)
+    rows, weights = _local_taps(*key, s.axis.index, y.dtype, y.device)
+    order = memory_order(y.stride())
+    dense, dim = y.permute(order), order.index(y.dim() + s.dim)
+    picked = [dense.index_select(dim, r) for r in rows]
+    if weights is None:
+        result = picked[0]
+    else:
+        along = (-1,) + (1,) * (y.dim() - dim - 1)  # a weight per row of ``dim``
+        result = picked[0] * weights[0].view(along)
+        for p, w in zip(picked[1:], weights[1:]):
+            result = result.addcmul_(p, w.view(along))
+    return result.permute(sorted(range(y.dim()), key=order.__getitem__))
 
 
 def interpolate(

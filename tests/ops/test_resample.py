@@ -87,3 +87,26 @@ def _linear_1d_case(align_corners):
 @pytest.mark.parametrize("align_corners", [False, True])
 def test_linear_1d(ranks, align_corners):
     run_spmd(_linear_1d_case, ranks, align_corners)
+
+
+def _channels_last_case(layout, mode, align_corners):
+    from lightning_spatial.tensor import SpatialTensor
+
+    torch.manual_seed(12)
+    x = torch.randn(2, 5, 9, 23 if layout == "w3" else 12).to(memory_format=torch.channels_last)
+
+    def op(x):
+        out = F.interpolate(x, scale_factor=1.5, mode=mode, align_corners=align_corners)
+        local = out.to_local() if isinstance(out, SpatialTensor) else out
+        assert local.is_contiguous(memory_format=torch.channels_last), local.stride()
+        return out
+
+    check(op, [x], sharded=[0], axes=axes(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("mode,align_corners", [("nearest", None), ("bilinear", False)])
+def test_interpolate_keeps_channels_last(layout, mode, align_corners):
+    """A channels_last input resamples to a channels_last result, as torch's own kernels return it (what a
+    following convolution reads without a copy)."""
+    run_spmd(_channels_last_case, LAYOUTS[layout][0], layout, mode, align_corners)
