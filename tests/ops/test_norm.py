@@ -53,6 +53,30 @@ def test_batch_and_instance_norm(layout, kind, training):
     run_spmd(_running_norm_case, LAYOUTS[layout][0], layout, kind, training)
 
 
+def _batch_norm_variant_case(layout, variant):
+    torch.manual_seed(5)
+    dtype = torch.float64 if variant in ("float64", "far_mean") else torch.float32
+    x = torch.randn(3, 4, 7, _width(layout), dtype=dtype) * 2 + 1
+    if variant == "far_mean":  # spread 2e-2 about 1e2: a variance from sums of squares would cancel (float64: fp32
+        # rounds x itself to 4e-4 of its spread, so any two implementations differ by more than fp32's tolerance)
+        x = x * 1e-2 + 100
+    if variant == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    affine = [] if variant == "no_affine" else [torch.randn(4, dtype=dtype), torch.randn(4, dtype=dtype)]
+
+    def op(x, *wb):
+        return F.batch_norm(x, None, None, *(wb or (None, None)), True, 0.1, 1e-5)
+
+    check(op, [x, *affine], sharded=[0], axes=axes(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("variant", ["no_affine", "float64", "channels_last", "far_mean"])
+def test_batch_norm_variants(layout, variant):
+    """Without affine parameters, in float64, channels_last, and a mean far from zero against the spread."""
+    run_spmd(_batch_norm_variant_case, LAYOUTS[layout][0], layout, variant)
+
+
 def _case(layout, op, inputs):
     check(op, inputs, sharded=[0], axes=axes(layout))
 
@@ -148,3 +172,42 @@ def _memory_case(layout):
 @pytest.mark.parametrize("layout", ["w3", "2x2"])
 def test_normalisation_keeps_no_more_activations_than_torchs_kernel(layout):
     run_spmd(_memory_case, LAYOUTS[layout][0], layout)
+
+
+def _gpu_batch_norm_case(layout, dtype_name):
+    import torch.distributed as dist
+
+    from lightning_spatial.run import Run, entered
+
+    dtype, device = getattr(torch, dtype_name), torch.device("cuda")
+    torch.manual_seed(6)
+    x = (torch.randn(3, 4, 7, _width(layout)) * 2 + 1).to(device, dtype).to(memory_format=torch.channels_last)
+    weight, bias, upstream = torch.randn(4, device=device), torch.randn(4, device=device), torch.randn(x.shape)
+    ref = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    ref_out = F.batch_norm(*ref[:1], None, None, *ref[1:], True, 0.1, 1e-5)
+    (ref_out.float() * upstream.to(device)).sum().backward()
+
+    sharded = shard(x, axes(layout))
+    local, layout_ = sharded.to_local().clone().requires_grad_(), sharded.shard_layout
+    ours = [weight.clone().requires_grad_(), bias.clone().requires_grad_()]
+    with entered(Run(fallback="error")):
+        out = F.batch_norm(wrap(local, layout_), None, None, *ours, True, 0.1, 1e-5)
+        (out.to_local().float() * layout_.take_local(upstream).to(device)).sum().backward()
+    # bf16: torch's kernels round once where ours round a few times more (2^-8 each)
+    rtol = 1e-2 if dtype == torch.bfloat16 else None
+    assert_rel_close(out.to_local(), layout_.take_local(ref_out).detach(), "output", rtol=rtol)
+    assert_rel_close(local.grad, layout_.take_local(ref[0].grad), "grad of input", rtol=rtol)
+    for name, p, r in zip(("weight", "bias"), ours, ref[1:]):
+        total = p.grad.clone()
+        dist.all_reduce(total)  # gloo reduces CUDA tensors (through the host)
+        assert_rel_close(total, r.grad, f"grad of {name}", rtol=rtol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CUDA normalisation kernels need a GPU")
+@pytest.mark.parametrize("layout", ["w3", "2x2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_norm_on_gpu_equals_torchs(layout, dtype):
+    """On CUDA (ranks sharing one GPU), channels_last, fp32 and bf16 activations with fp32 parameters as under
+    autocast: the eval-mode kernels and their backward with the global statistics equal torch's training-mode
+    BatchNorm on the whole tensor."""
+    run_spmd(_gpu_batch_norm_case, LAYOUTS[layout][0], layout, dtype, timeout=300.0)
