@@ -149,7 +149,9 @@ def model_and_data(args, length: int):
         }
         detector = tasks.DetectorTask(args)
         model = detector.make(**detector.options)
-        return model, DataLoader(Fixed(sample, length), args.batch, collate_fn=collate_surround, num_workers=2)
+        return model, DataLoader(
+            Fixed(sample, length), args.batch, collate_fn=collate_surround, num_workers=2, pin_memory=True
+        )
     from lightning_spatial.models import ImageTask
 
     sample = {"image": torch.randn(3, args.height, args.width, generator=g), "label": torch.tensor(1)}

@@ -63,7 +63,8 @@ def resumable_loader(
     collate_fn: Callable[[list], Any] | None = None,
     persistent_workers: bool = False,
 ) -> StatefulDataLoader:
-    """A ``StatefulDataLoader`` over ``dataset``, shuffled by ``EpochShuffle`` if ``shuffle``."""
+    """A ``StatefulDataLoader`` over ``dataset``, shuffled by ``EpochShuffle`` if ``shuffle``; in pinned memory where
+    there is a GPU, so that the batch's copy to it does not wait for the step before it to finish."""
     return StatefulDataLoader(
         dataset,
         batch_size=batch_size,
@@ -71,6 +72,7 @@ def resumable_loader(
         num_workers=num_workers,
         collate_fn=collate_fn,
         persistent_workers=persistent_workers,
+        pin_memory=torch.cuda.is_available(),
     )
 
 
