@@ -60,9 +60,11 @@ class _BatchNorm(torch.autograd.Function):
     def backward(ctx, grad, _mean, _var):
         x, weight, mean, var = ctx.saved_tensors
         ones = torch.ones_like(mean) if weight is None else weight
-        # this rank's sums of grad * xhat and of grad per channel: the eval-mode backward's reductions
+        # this rank's sums of grad * xhat and of grad per channel: the eval-mode backward's reductions (empty saved
+        # statistics: it takes the given ones, as after cuDNN's eval-mode forward)
+        nothing = mean.new_empty(0)
         _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
-            grad, x, ones, mean, var, None, None, False, ctx.eps, [False, True, True]
+            grad, x, ones, mean, var, nothing, nothing, False, ctx.eps, [False, True, True]
         )
         total_g, total_gx = across_detached(torch.stack([sum_g, sum_gx]), ctx.axes).unbind(0)
         scale = ones * torch.rsqrt(var + ctx.eps)
