@@ -42,7 +42,7 @@ from ..capture import Watch
 from ..mesh import Axis, SpatialDims
 from ..run import FallbackMode
 from ..sharding import Select
-from ..strategies._gradients import before_ddp, broadcasts_buffers, register_comm_hook, share
+from ..strategies._gradients import before_ddp, ddp_options, register_comm_hook, share
 from ..strategies._groups import SpatialGroups
 from ..strategies._launch import environment_kept, launch_kind, register
 from ..strategies._loaders import sharded
@@ -199,7 +199,7 @@ class SpatialParallelStrategy(DDPStrategy):
         if watch:
             self._first_steps.append(_FirstTrainingStep(module))
         before_ddp(module, self._run)
-        kwargs = {"broadcast_buffers": broadcasts_buffers(self.dims), **self._ddp_kwargs}
+        kwargs = ddp_options(self.dims, self._ddp_kwargs)
         ddp = _NamingDistributedDataParallel(module, device_ids=self._determine_ddp_device_ids(), **kwargs)
         register_comm_hook(ddp, self.dims, self._user_comm_hook, replays=bool(self._cuda_graphs) or watch)
         self._run.adopt(module)

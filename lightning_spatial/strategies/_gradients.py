@@ -29,12 +29,13 @@ def share(loss: torch.Tensor, dims: SpatialDims) -> torch.Tensor:
     return loss / dims.spatial_size
 
 
-def broadcasts_buffers(dims: SpatialDims) -> bool:
-    """DDP's ``broadcast_buffers`` unless the user sets it: rank 0's buffers sent to every rank before each forward
-    only where ranks compute different ones, across data-parallel replicas. The ranks of one spatial group compute
-    the same buffers (BatchNorm's running statistics come from the group's statistics; every reduction spans the
-    whole image), so a run of one group skips that broadcast every step."""
-    return dims.data > 1
+def ddp_options(dims: SpatialDims, given: dict) -> dict:
+    """The keyword arguments for ``DistributedDataParallel``: the user's (``given``), with ``broadcast_buffers``
+    unless they set it: rank 0's buffers sent to every rank before each forward only where ranks compute different
+    ones, across data-parallel replicas. The ranks of one spatial group compute the same buffers (BatchNorm's running
+    statistics come from the group's statistics; every reduction spans the whole image), so a run of one group skips
+    that broadcast every step."""
+    return {"broadcast_buffers": dims.data > 1, **given}
 
 
 def before_ddp(module: torch.nn.Module, run: ExitStack) -> None:

@@ -59,7 +59,7 @@ from ..plan import Plan, accumulation, describe_batches, make_plan, parse_budget
 from ..run import FallbackMode
 from ..sharding import Select, describe
 from ..tensor import SpatialTensor, gather
-from ._gradients import before_ddp, broadcasts_buffers, register_comm_hook, share
+from ._gradients import before_ddp, ddp_options, register_comm_hook, share
 from ._groups import SpatialGroups
 from ._launch import environment_kept, launch_kind, register
 from ._loaders import prepare_loader, sharded
@@ -291,7 +291,7 @@ class SpatialParallelStrategy(DDPStrategy):
         network as a CUDA graph; then the gradient accumulators DDP keeps belong to that stream, and every backward
         on the default one warns of the mismatch and may synchronize (Lightning #21567). Our graphs read aliases
         of the parameters (lightning_spatial.graphs) and do not need it."""
-        kwargs = {"broadcast_buffers": broadcasts_buffers(self.dims), **self._ddp_kwargs}
+        kwargs = ddp_options(self.dims, self._ddp_kwargs)
         return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **kwargs)
 
     @override
