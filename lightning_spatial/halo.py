@@ -199,7 +199,7 @@ def _window(x: torch.Tensor, plan: _Plan, dim: int, group, fill: float) -> torch
         _cat(_in_runs(x, dim, plan.pieces, [_laid_out_like(out, buf) for _, buf in recvs], padding), dim, out)
         return out
     if plan.fill is not None:
-        out.index_fill_(dim, _index(plan.fill, out.device), fill)
+        _fill(out, dim, plan.fill, fill)
     if plan.local is not None:
         _put(out, dim, plan.local[0], _select(x, dim, plan.local[1]))
     for (_, pos, _), (_, buf) in zip(plan.recvs, recvs):
@@ -233,6 +233,60 @@ def _window_grad(grad: torch.Tensor, plan: _Plan, dim: int, group, local_shape, 
     for (_, rows), (_, buf) in zip(plan.sends, recvs):
         _add(grad_x, dim, rows, buf)
     return grad_x
+
+
+def _nested_window(x: torch.Tensor, steps, fill: float) -> torch.Tensor:
+    """Windows along several dims written into one tensor: each dim's received rows and padding go straight to
+    their places, and ``x`` is copied once (where one window after the other copies the widened tensor once per
+    dim). Each step sends from what the steps before it wrote (2-D tiles receive their corners from the
+    neighbour's widened rows, as one window after the other does). ``steps``: (dim, plan, group) in order; every
+    plan after the first holds all the rank's rows in order (``_nests``)."""
+    shape = list(x.shape)
+    for dim, plan, _ in steps:
+        shape[dim] = plan.length
+    out = empty_as(x, shape)
+    source = x
+    for i, (dim, plan, group) in enumerate(steps):
+        region = out  # this step's window: the later dims still at the rank's own rows
+        for later, p, _ in steps[i + 1 :]:
+            region = _select(region, later, p.local[0])
+        sends = [(j, _select(source, dim, rows).contiguous()) for j, rows in plan.sends]
+        recvs = [(j, source.new_empty(_shape(source, dim, count))) for j, _, count in plan.recvs]
+        _count_sent(sends)
+        _p2p(group, sends, recvs)
+        if i == 0 and plan.local is not None:  # later steps find the rank's rows already in place
+            _put(region, dim, plan.local[0], _select(x, dim, plan.local[1]))
+        for (_, pos, _), (_, buf) in zip(plan.recvs, recvs):
+            _put(region, dim, pos, buf)
+        if plan.fill is not None:
+            _fill(region, dim, plan.fill, fill)
+        source = region
+    return out
+
+
+def _nests(plan: _Plan, rows: int) -> bool:
+    """Whether a window holds all of the rank's ``rows`` rows in order, as one run (a conv's or a pool's halo)."""
+    return plan.local is not None and plan.local[1] == range(0, rows) and isinstance(plan.local[0], range)
+
+
+class _FetchWindows(torch.autograd.Function):
+    """``_nested_window``; its backward is each window's, the last dim first."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, steps, fill: float, own_grad: bool):
+        shapes, shape = [], list(x.shape)
+        for dim, plan, _ in steps:
+            shapes.append(torch.Size(shape))
+            shape[dim] = plan.length
+        ctx.steps, ctx.shapes, ctx.own_grad = steps, shapes, own_grad
+        return _nested_window(x, steps, fill)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        for (dim, plan, group), shape in zip(reversed(ctx.steps), reversed(ctx.shapes)):
+            grad = _window_grad(grad, plan, dim, group, shape, ctx.own_grad)
+        return grad, None, None, None
 
 
 class _FetchWindow(torch.autograd.Function):
@@ -352,6 +406,13 @@ def _put(out: torch.Tensor, dim: int, sel, value: torch.Tensor) -> None:
         out.index_copy_(dim, _index(sel, out.device), value)
 
 
+def _fill(out: torch.Tensor, dim: int, sel, value: float) -> None:
+    if isinstance(sel, range):
+        out.narrow(dim, sel.start, sel.stop - sel.start).fill_(value)
+    else:
+        out.index_fill_(dim, _index(sel, out.device), value)
+
+
 def _add(out: torch.Tensor, dim: int, sel, value: torch.Tensor) -> None:
     if isinstance(sel, range):
         out.narrow(dim, sel.start, sel.stop - sel.start).add_(value)
@@ -385,4 +446,31 @@ def fetch_window(
     return _FetchWindow.apply(x, plan, shard.dim, shard, fill, own_grad)
 
 
-__all__ = ["empty_as", "fetch_window", "memory_order"]
+def fetch_windows(
+    x: torch.Tensor,
+    dims: Sequence[tuple[DimShard, Sequence[tuple[int, int]]]],
+    mode: str = "zeros",
+    fill: float = 0.0,
+    own_grad: bool = False,
+) -> torch.Tensor:
+    """``fetch_window`` along several sharded dims, one after the other (2-D tiles receive their corners from the
+    already widened tensor): ``dims`` holds each dim's shard and every rank's window. A halo on every side of a
+    2-D tile is written into one tensor (``x`` copied once, not once per dim)."""
+    plans = [(s, _plan(s.size, s.axis.size, s.axis.index, tuple(map(tuple, w)), mode)) for s, w in dims]
+    nested = (
+        len(plans) > 1
+        and not torch.compiler.is_dynamo_compiling()
+        and all(p.view is None for _, p in plans)
+        and all(_nests(p, x.shape[s.dim]) for s, p in plans[1:])
+    )
+    if not nested:
+        for s, windows in dims:
+            x = fetch_window(x, s, windows, mode, fill, own_grad)
+        return x
+    steps = tuple((s.dim, p, s.axis.group) for s, p in plans)
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return _nested_window(x, steps, fill)
+    return _FetchWindows.apply(x, steps, fill, own_grad)
+
+
+__all__ = ["empty_as", "fetch_window", "fetch_windows", "memory_order"]

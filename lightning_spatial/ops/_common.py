@@ -11,7 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..fallback import fallback, name_of
-from ..halo import fetch_window
+from ..halo import fetch_windows
 from ..layout import DimShard, Layout, LayoutError, partition
 from ..plans import planned
 from ..tensor import SpatialTensor, _Plain
@@ -115,9 +115,7 @@ class Windows:
         """This rank's windows, one dim after the other, so 2-D tiles receive their corners from the
         already widened tensor. ``own_grad``: see ``fetch_window`` (a widened tensor's gradient is then the next
         fetch's own too)."""
-        for _, s, windows in self.dims:
-            x = fetch_window(x, s, windows, mode, fill, own_grad)
-        return x
+        return fetch_windows(x, [(s, windows) for _, s, windows in self.dims], mode, fill, own_grad)
 
 
 def eager_backward(backward: Callable) -> Callable:
