@@ -193,7 +193,8 @@ def _gpu_batch_norm_case(layout, dtype_name):
     with entered(Run(fallback="error")):
         out = F.batch_norm(wrap(local, layout_), None, None, *ours, True, 0.1, 1e-5)
         (out.to_local().float() * layout_.take_local(upstream).to(device)).sum().backward()
-    # bf16: torch's kernels round once where ours round a few times more (2^-8 each)
+    # bf16: each side rounds an fp32 result once (2^-8); their fp32 results differ in the last bits, so a rounding may
+    # fall either way
     rtol = 1e-2 if dtype == torch.bfloat16 else None
     assert_rel_close(out.to_local(), layout_.take_local(ref_out).detach(), "output", rtol=rtol)
     assert_rel_close(local.grad, layout_.take_local(ref[0].grad), "grad of input", rtol=rtol)
@@ -207,7 +208,7 @@ def _gpu_batch_norm_case(layout, dtype_name):
 @pytest.mark.parametrize("layout", ["w3", "2x2"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batch_norm_on_gpu_equals_torchs(layout, dtype):
-    """On CUDA (ranks sharing one GPU), channels_last, fp32 and bf16 activations with fp32 parameters as under
-    autocast: the eval-mode kernels and their backward with the global statistics equal torch's training-mode
-    BatchNorm on the whole tensor."""
+    """On CUDA (ranks sharing one GPU, gloo all-reducing CUDA tensors), channels_last, fp32 and bf16 activations with
+    fp32 parameters as under autocast: the sharded BatchNorm equals torch's training-mode BatchNorm on the whole
+    tensor, outputs and gradients."""
     run_spmd(_gpu_batch_norm_case, LAYOUTS[layout][0], layout, dtype, timeout=300.0)
