@@ -47,7 +47,8 @@ def main(cfg: DictConfig) -> dict[str, float]:
         if earlier:
             prepend_rows(csv_logs[0], earlier)
         print(f"plots: {plot_metrics(csv_logs[0], Path(cfg.out) / 'plots' / 'metrics.png')}")
-    print("final metrics:", {k: round(v, 4) for k, v in sorted(metrics.items())})
+    # one write of a whole line: under torchrun every process shares the launcher's stdout
+    print("final metrics:", {k: round(v, 4) for k, v in sorted(metrics.items())}, flush=True)
     return metrics
 
 
