@@ -86,6 +86,26 @@ def test_conv2d_halo_wider_than_a_shard(layout, size):
     run_spmd(_thin_case, LAYOUTS[layout][0], layout, size)
 
 
+def _inference_case(layout, memory_format):
+    # validation and predict fetch windows without autograd; 2-D tiles write both dims' halos into one tensor
+    from lightning_spatial.run import Run, entered
+
+    torch.manual_seed(9)
+    x = torch.randn(2, 4, 11, 14).contiguous(memory_format=memory_format)
+    w = torch.randn(6, 4, 5, 5)
+    sharded = shard(x, axes(layout))
+    with torch.no_grad(), entered(Run(fallback="error")):
+        out = F.conv2d(sharded, w, padding=2)
+    assert out.to_local().is_contiguous(memory_format=memory_format)
+    assert_rel_close(out.to_local(), sharded.shard_layout.take_local(F.conv2d(x, w, padding=2)), "output")
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_conv2d_without_grad(layout, memory_format):
+    run_spmd(_inference_case, LAYOUTS[layout][0], layout, memory_format)
+
+
 def _frozen_case(layout, freeze):
     # a frozen layer (weight without grad) and a first layer (input without grad) skip their gradients
     from lightning_spatial import gather, shard
