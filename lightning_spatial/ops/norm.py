@@ -1,12 +1,9 @@
 """Normalisation with statistics over the whole image: per-rank sums all-reduced over the spatial axes.
 
-Each rank's mean and variance come from one pass (``var_mean``) and are combined over the group by the pairwise
-update of Chan et al., as accurate as a two-pass variance. BatchNorm then runs torch's own kernels with the global
-statistics: the eval-mode kernel normalises (one pass, fused as one device's), its backward's reductions give the
-rank's sums for the input's gradient, and the eval kernel again plus one ``addcmul`` make that gradient. The other
-norms use one autograd Function built from ordinary ops. Both keep only the input and the statistics for their
-backward (as torch's fused kernels do; built from ordinary ops, autograd would keep about three activation-sized
-tensors per layer). BatchNorm's running statistics
+Two passes (mean, then the sum of squared deviations) keep fp32 accuracy. One autograd Function normalises and
+applies the affine parameters and keeps only the input and the statistics for its backward (as torch's fused
+kernels do; built from ordinary ops, autograd would keep about three activation-sized tensors per layer).
+BatchNorm's running statistics
 are updated from the global batch statistics exactly as one device would (unbiased variance with the
 global count); eval mode uses the running statistics locally. BatchNorm statistics span the spatial group
 only: the data-parallel group joins only when the user asked for SyncBatchNorm (``Trainer(sync_batchnorm=True)``,
@@ -27,67 +24,15 @@ from ._binding import bound
 from ._common import eager_backward, localize, spatial_shards
 
 
-def _statistics(x: torch.Tensor, dims: tuple[int, ...], axes, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mean and biased variance over ``dims`` of the global tensor (``count`` elements per statistic; kept
-    dims), in fp32 at least (bf16 activations): this rank's in one pass, combined over ``axes`` by Chan et al.'s
-    pairwise update (the group's mean first, then each rank's sum of squares about it)."""
-    wide = torch.promote_types(x.dtype, torch.float32)
-    var, mean = torch.var_mean(x.to(wide), dims, correction=0, keepdim=True)
-    n = x.numel() // max(mean.numel(), 1)  # this rank's elements per statistic
-    total = across_detached(mean * n, axes) / count
-    return total, across_detached((var + (mean - total) ** 2) * n, axes) / count
-
-
-class _BatchNorm(torch.autograd.Function):
-    """``F.batch_norm`` in training mode with the statistics of the global batch (over every dim but the
-    channels, all-reduced over ``axes``), by torch's eval-mode kernel and its backward (module docstring).
-    Returns (out, mean, var), the statistics per channel. The kernels take the affine parameters in the
-    statistics' precision (fp32 for bf16 activations: torch's mixed-precision BatchNorm), whatever theirs."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, axes, count: int, eps: float):
-        mean, var = (s.flatten() for s in _statistics(x, (0, *range(2, x.dim())), axes, count))
-        wide = [None if p is None else p.to(mean.dtype) for p in (weight, bias)]
-        out = F.batch_norm(x, mean, var, *wide, False, 0.0, eps)
-        ctx.save_for_backward(x, wide[0], mean, var)
-        ctx.axes, ctx.count, ctx.eps = axes, count, eps
-        ctx.dtypes = [None if p is None else p.dtype for p in (weight, bias)]
-        ctx.mark_non_differentiable(mean, var)
-        return out, mean, var
-
-    @staticmethod
-    @eager_backward  # the statistics' all-reduces carry no graph
-    def backward(ctx, grad, _mean, _var):
-        x, weight, mean, var = ctx.saved_tensors
-        ones = torch.ones_like(mean) if weight is None else weight
-        # this rank's sums of grad * xhat and of grad per channel: the eval-mode backward's reductions (empty saved
-        # statistics: it takes the given ones, as after cuDNN's eval-mode forward)
-        nothing = mean.new_empty(0)
-        _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
-            grad, x, ones, mean, var, nothing, nothing, False, ctx.eps, [False, True, True]
-        )
-        total_g, total_gx = across_detached(torch.stack([sum_g, sum_gx]), ctx.axes).unbind(0)
-        scale = ones * torch.rsqrt(var + ctx.eps)
-        # scale * (grad - total_g / count - xhat * total_gx / count): the eval kernel makes all but scale * grad
-        shift = F.batch_norm(
-            x, mean, var, -scale * total_gx / ctx.count, -scale * total_g / ctx.count, False, 0.0, ctx.eps
-        )
-        grad_x = shift.addcmul_(grad, _channel(scale, x.dim()))
-        # the affine parameters are replicated: their local sums are this rank's share of the gradient
-        grad_w, grad_b = (
-            g.to(dtype) if dtype is not None and needed else None
-            for g, dtype, needed in zip((sum_gx, sum_g), ctx.dtypes, ctx.needs_input_grad[1:3])
-        )
-        return grad_x, grad_w, grad_b, None, None, None
-
-
 class _Normalize(torch.autograd.Function):
     """``(x - mean) * invstd * weight + bias`` with mean and variance over ``dims`` of the global tensor
     (all-reduced over ``axes``); ``weight``/``bias`` broadcast against ``x``. Returns (out, mean, var)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, dims, axes, count: int, eps: float):
-        mean, var = _statistics(x, dims, axes, count)
+        wide = torch.promote_types(x.dtype, torch.float32)  # statistics in fp32 at least (bf16 activations)
+        mean = across_detached(x.sum(dims, keepdim=True, dtype=wide), axes) / count
+        var = across_detached(((x - mean) ** 2).sum(dims, keepdim=True), axes) / count
         invstd = torch.rsqrt(var + eps)
         out = (x - mean) * invstd
         if weight is not None:
@@ -140,11 +85,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {tuple(layout.global_shape(x))}"
         )
-    out, mean, var = _BatchNorm.apply(x, weight, bias, tuple(shards), count, eps)
+    out, mean, var = _normalize(x, dims, shards, count, eps, _channel(weight, x.dim()), _channel(bias, x.dim()))
     if training and running_mean is not None:
         with torch.no_grad():
-            running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-            running_var.mul_(1 - momentum).add_(var * (count / (count - 1)), alpha=momentum)
+            running_mean.mul_(1 - momentum).add_(mean.flatten(), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(var.flatten() * (count / (count - 1)), alpha=momentum)
     return adopt(out, layout)
 
 
