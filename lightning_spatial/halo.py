@@ -188,21 +188,28 @@ def _cat(parts: list[torch.Tensor], dim: int, out: torch.Tensor) -> None:
         torch.cat([p.permute(order) for p in parts], order.index(dim % out.dim()), out=out.permute(order))
 
 
-def _window(x: torch.Tensor, plan: _Plan, dim: int, group, fill: float) -> torch.Tensor:
+def _received(x: torch.Tensor, plan: _Plan, dim: int, group) -> list[torch.Tensor]:
+    """Send the rows of ``x`` that other ranks' windows read; the rows this rank's window reads from others, in
+    ``plan.recvs``'s order."""
     sends = [(j, _select(x, dim, rows).contiguous()) for j, rows in plan.sends]
     recvs = [(j, x.new_empty(_shape(x, dim, count))) for j, _, count in plan.recvs]
     _count_sent(sends)
     _p2p(group, sends, recvs)
+    return [buf for _, buf in recvs]
+
+
+def _window(x: torch.Tensor, plan: _Plan, dim: int, group, fill: float) -> torch.Tensor:
+    received = _received(x, plan, dim, group)
     out = empty_as(x, _shape(x, dim, plan.length))
     if plan.pieces is not None:  # one copy kernel for the whole window, its parts laid out like it
         padding = empty_as(out, _shape(x, dim, _count(plan.fill))).fill_(fill) if plan.fill is not None else None
-        _cat(_in_runs(x, dim, plan.pieces, [_laid_out_like(out, buf) for _, buf in recvs], padding), dim, out)
+        _cat(_in_runs(x, dim, plan.pieces, [_laid_out_like(out, buf) for buf in received], padding), dim, out)
         return out
     if plan.fill is not None:
         _fill(out, dim, plan.fill, fill)
     if plan.local is not None:
         _put(out, dim, plan.local[0], _select(x, dim, plan.local[1]))
-    for (_, pos, _), (_, buf) in zip(plan.recvs, recvs):
+    for (_, pos, _), buf in zip(plan.recvs, received):
         _put(out, dim, pos, buf)
     return out
 
@@ -250,13 +257,10 @@ def _nested_window(x: torch.Tensor, steps, fill: float) -> torch.Tensor:
         region = out  # this step's window: the later dims still at the rank's own rows
         for later, p, _ in steps[i + 1 :]:
             region = _select(region, later, p.local[0])
-        sends = [(j, _select(source, dim, rows).contiguous()) for j, rows in plan.sends]
-        recvs = [(j, source.new_empty(_shape(source, dim, count))) for j, _, count in plan.recvs]
-        _count_sent(sends)
-        _p2p(group, sends, recvs)
+        received = _received(source, plan, dim, group)
         if i == 0 and plan.local is not None:  # later steps find the rank's rows already in place
             _put(region, dim, plan.local[0], _select(x, dim, plan.local[1]))
-        for (_, pos, _), (_, buf) in zip(plan.recvs, recvs):
+        for (_, pos, _), buf in zip(plan.recvs, received):
             _put(region, dim, pos, buf)
         if plan.fill is not None:
             _fill(region, dim, plan.fill, fill)
@@ -436,7 +440,15 @@ def fetch_window(
     only consumer hands backward a gradient nothing else reads (a convolution's input gradient), so ``x``'s
     gradient may be a view of it, written in place, instead of a copy.
     """
-    plan = _plan(shard.size, shard.axis.size, shard.axis.index, tuple(map(tuple, windows)), mode)
+    return _fetch(x, shard, _plan_of(shard, windows, mode), fill, own_grad)
+
+
+def _plan_of(shard: DimShard, windows: Sequence[tuple[int, int]], mode: str) -> _Plan:
+    return _plan(shard.size, shard.axis.size, shard.axis.index, tuple(map(tuple, windows)), mode)
+
+
+def _fetch(x: torch.Tensor, shard: DimShard, plan: _Plan, fill: float, own_grad: bool) -> torch.Tensor:
+    """``fetch_window`` with its plan made."""
     if plan.view is not None:
         return _select(x, shard.dim, plan.view)
     if torch.compiler.is_dynamo_compiling():
@@ -456,7 +468,7 @@ def fetch_windows(
     """``fetch_window`` along several sharded dims, one after the other (2-D tiles receive their corners from the
     already widened tensor): ``dims`` holds each dim's shard and every rank's window. A halo on every side of a
     2-D tile is written into one tensor (``x`` copied once, not once per dim)."""
-    plans = [(s, _plan(s.size, s.axis.size, s.axis.index, tuple(map(tuple, w)), mode)) for s, w in dims]
+    plans = [(s, _plan_of(s, w, mode)) for s, w in dims]
     nested = (
         len(plans) > 1
         and not torch.compiler.is_dynamo_compiling()
@@ -464,8 +476,8 @@ def fetch_windows(
         and all(_nests(p, x.shape[s.dim]) for s, p in plans[1:])
     )
     if not nested:
-        for s, windows in dims:
-            x = fetch_window(x, s, windows, mode, fill, own_grad)
+        for s, plan in plans:
+            x = _fetch(x, s, plan, fill, own_grad)
         return x
     steps = tuple((s.dim, p, s.axis.group) for s, p in plans)
     if not (x.requires_grad and torch.is_grad_enabled()):
