@@ -119,3 +119,26 @@ def test_memory_peak_finds_each_places_peak_and_what_was_alive_then():
         "empty_as @ halo.py:132 empty_as": [20, 1],
     }
     assert out["eager_at_peak"] == {"forward @ timm/models/convnext.py:201 forward": [38, 2]}
+
+
+def test_op_sources_counts_each_fits_ops_by_the_line_that_issued_them(tmp_path):
+    """tools/op_sources.py on CPU: the baseline's ops come from timm and torch's derivatives, the rank's halo
+    messages from halo.py, its convolutions from the op layer; the table lists every op of both fits."""
+    args = ["--strategy", "spatial_tp", "--fake-world", "2", "--baseline", "device", "--model", "convnext_atto"]
+    args += ["--batch", "2", "--height", "32", "--width", "64", "--warmup", "2", "--steps", "1", "--accelerator", "cpu"]
+    cmd = [sys.executable, str(ROOT / "tools" / "op_sources.py"), "--out", str(tmp_path), "--", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    baseline, rank = json.loads((tmp_path / "op_sources.json").read_text())["fits"]
+    assert (baseline["fit"], rank["fit"]) == ("baseline", "rank")
+    for fit in (baseline, rank):
+        assert fit["ops"] == sum(fit["sources"].values())
+        assert fit["sources"]["convolution_backward @ autograd ConvolutionBackward0"] > 0
+        assert any(k.startswith("_single_tensor_adam") or "torch/optim/" in k for k in fit["sources"])
+    assert any("timm/models/convnext.py" in k for k in baseline["sources"])
+    assert not any("halo.py" in k or "ops/" in k for k in baseline["sources"])
+    assert any(k.startswith("send @ halo.py") for k in rank["sources"])
+    assert any(k.startswith("convolution @ ops/conv.py") for k in rank["sources"])
+    table = done.stdout[done.stdout.index("baseline      rank  op") :].splitlines()
+    ops = {line.split()[-1] for line in table[1:]}
+    assert {"send", "recv_", "convolution", "convolution_backward"} <= ops
