@@ -66,7 +66,7 @@ def counted():
 
 
 def summary(fits: list[dict]) -> str:
-    """Each op's count per fit, the ops the last fit adds over the first first."""
+    """Each op's count per fit; the ops the last fit adds over the first come first."""
     per_op = [collections.Counter() for _ in fits]
     for counter, fit in zip(per_op, fits):
         for key, n in fit["sources"].items():
