@@ -12,7 +12,6 @@ keeps that its baseline does not.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import collections
 import json
@@ -77,15 +76,9 @@ def peaks(snapshot: dict) -> dict:
 
 def main() -> None:
     import torch
+    from wrapped_step import fit_name, trainer_step_from_cli
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=".")
-    p.add_argument("step", nargs=argparse.REMAINDER, help="-- and benchmarks/trainer_step.py's arguments")
-    args = p.parse_args()
-    sys.argv = ["trainer_step.py", *[a for a in args.step if a != "--"], "--out", args.out]
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-    import trainer_step
-
+    out, trainer_step = trainer_step_from_cli(__doc__)
     fits = []
     measure = trainer_step.measure
 
@@ -95,13 +88,13 @@ def main() -> None:
         row = measure(step_args, plugins)
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(None)
-        fits.append({"fit": "baseline" if step_args.strategy == "single" else "rank", **peaks(snapshot)})
+        fits.append({"fit": fit_name(step_args), **peaks(snapshot)})
         print(json.dumps({k: v for k, v in fits[-1].items() if not k.endswith("_at_peak")}), flush=True)
         return row
 
     trainer_step.measure = recorded
     trainer_step.main()
-    with open(os.path.join(args.out, "memory_peak.json"), "w") as f:
+    with open(os.path.join(out, "memory_peak.json"), "w") as f:
         json.dump({"args": sys.argv[1:], "torch": torch.__version__, "fits": fits}, f, indent=1)
 
 

@@ -13,7 +13,6 @@ captured) with toy sizes.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -78,19 +77,14 @@ def summary(fits: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=".")
-    p.add_argument("step", nargs=argparse.REMAINDER, help="-- and benchmarks/trainer_step.py's arguments")
-    args = p.parse_args()
-    sys.argv = ["trainer_step.py", *[a for a in args.step if a != "--"], "--out", args.out]
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-    import trainer_step
+    from wrapped_step import fit_name, trainer_step_from_cli
 
+    out, trainer_step = trainer_step_from_cli(__doc__)
     fits, fit = [], {}
     measure = trainer_step.measure
 
     def measured(step_args, plugins):
-        fit["name"] = "baseline" if step_args.strategy == "single" else "rank"
+        fit["name"] = fit_name(step_args)
         return measure(step_args, plugins)
 
     class CountingTimer(trainer_step.StepTimer):
@@ -111,7 +105,7 @@ def main() -> None:
 
     trainer_step.StepTimer, trainer_step.measure = CountingTimer, measured
     trainer_step.main()
-    with open(os.path.join(args.out, "op_sources.json"), "w") as f:
+    with open(os.path.join(out, "op_sources.json"), "w") as f:
         json.dump({"args": sys.argv[1:], "fits": fits}, f, indent=1)
     print(summary(fits), flush=True)
 
