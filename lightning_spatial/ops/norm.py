@@ -2,8 +2,11 @@
 
 Two passes (mean, then the sum of squared deviations) keep fp32 accuracy. One autograd Function normalises and
 applies the affine parameters and keeps only the input and the statistics for its backward (as torch's fused
-kernels do; built from ordinary ops, autograd would keep about three activation-sized tensors per layer).
-BatchNorm's running statistics
+kernels do; built from ordinary ops, autograd would keep about three activation-sized tensors per layer). BatchNorm
+on CUDA runs on the kernels of torch's SyncBatchNorm instead (each rank's statistics and sums in one pass each, in
+fp32 whatever the activations' precision), with one eval-mode BatchNorm to normalise: a few kernels each way where
+the two passes launch about 30, which at S = 8 are short enough that their launches set the time. BatchNorm's
+running statistics
 are updated from the global batch statistics exactly as one device would (unbiased variance with the
 global count); eval mode uses the running statistics locally. BatchNorm statistics span the spatial group
 only: the data-parallel group joins only when the user asked for SyncBatchNorm (``Trainer(sync_batchnorm=True)``,
@@ -18,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import run
-from ..collectives import across_detached
+from ..collectives import _memory_format, across_detached
+from ..plans import planned
 from ..tensor import _dynamo_compiling, adopt, on_shard, unwrap
 from ._binding import bound
 from ._common import eager_backward, localize, spatial_shards
@@ -60,6 +64,53 @@ class _Normalize(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_w, grad_b, None, None, None, None
 
 
+class _BatchNorm(torch.autograd.Function):
+    """``_Normalize`` for BatchNorm on CUDA (channels at dim 1, statistics over every other dim), by torch's
+    SyncBatchNorm kernels: each rank's mean and variance from ``batch_norm_stats`` (one pass, Welford, fp32),
+    combined over ``axes`` by Chan et al.'s pairwise update (the group's mean first, then each rank's sum of squares
+    about it); its backward's sums from ``batch_norm_backward_reduce`` and the input's gradient from
+    ``batch_norm_backward_elemt``. Returns (out, mean, var) per channel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, axes, count: int, eps: float):
+        x = x.contiguous(memory_format=_memory_format(x))  # as the kernels take it (a no-op for a conv's output)
+        mean, invstd = torch.batch_norm_stats(x, eps)
+        n = x.numel() // x.shape[1]  # this rank's elements per channel
+        total = across_detached(mean * n, axes) / count
+        var = across_detached((invstd.pow(-2) - eps + (mean - total) ** 2) * n, axes) / count
+        wide = [None if p is None else p.to(total.dtype) for p in (weight, bias)]  # torch's mixed-precision BatchNorm
+        out = F.batch_norm(x, total, var, *wide, False, 0.0, eps)
+        ctx.save_for_backward(x, wide[0], total, torch.rsqrt(var + eps))
+        ctx.axes, ctx.count = axes, count
+        ctx.dtypes = [None if p is None else p.dtype for p in (weight, bias)]
+        ctx.mark_non_differentiable(total, var)
+        return out, total, var
+
+    @staticmethod
+    @eager_backward  # the sums' all-reduces carry no graph
+    def backward(ctx, grad, _mean, _var):
+        x, weight, mean, invstd = ctx.saved_tensors
+        grad = grad.contiguous(memory_format=_memory_format(x))
+        wants = [ctx.needs_input_grad[0]] + [w and d is not None for w, d in zip(ctx.needs_input_grad[1:3], ctx.dtypes)]
+        sum_g, sum_gx, grad_w, grad_b = torch.batch_norm_backward_reduce(grad, x, mean, invstd, weight, *wants)
+        grad_x = None
+        if wants[0]:
+            sum_g, sum_gx = across_detached(torch.stack([sum_g, sum_gx]), ctx.axes).unbind(0)
+            grad_x = torch.batch_norm_backward_elemt(
+                grad, x, mean, invstd, weight, sum_g, sum_gx, _counts(ctx.count, x.device)
+            )
+        # the affine parameters are replicated: their local sums are this rank's share of the gradient
+        grad_w, grad_b = (g.to(d) if want else None for g, d, want in zip((grad_w, grad_b), ctx.dtypes, wants[1:]))
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+@planned
+def _counts(count: int, device: torch.device) -> torch.Tensor:
+    """The global count per channel as ``batch_norm_backward_elemt`` takes it (the ranks' counts, summed by it), made
+    once per device: no host-to-device copy in the step."""
+    return torch.tensor([count], dtype=torch.int32, device=device)
+
+
 def _normalize(x: torch.Tensor, dims: tuple[int, ...], shards, count: int, eps: float, weight=None, bias=None):
     """Normalise ``x`` over ``dims`` of the global tensor and apply ``weight``/``bias`` (broadcast against ``x``);
     also returns the mean and the biased variance (for running statistics)."""
@@ -85,7 +136,10 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {tuple(layout.global_shape(x))}"
         )
-    out, mean, var = _normalize(x, dims, shards, count, eps, _channel(weight, x.dim()), _channel(bias, x.dim()))
+    if x.is_cuda:
+        out, mean, var = _BatchNorm.apply(x, weight, bias, tuple(shards), count, eps)
+    else:
+        out, mean, var = _normalize(x, dims, shards, count, eps, _channel(weight, x.dim()), _channel(bias, x.dim()))
     if training and running_mean is not None:
         with torch.no_grad():
             running_mean.mul_(1 - momentum).add_(mean.flatten(), alpha=momentum)
