@@ -196,9 +196,9 @@ def _gpu_batch_norm_case(layout, dtype_name):
         (out.to_local().float() * layout_.take_local(upstream).to(device)).sum().backward()
     # bf16 output and input gradient: an fp32 result rounded to bf16 (2^-9 relative); the parameters' gradients are
     # fp32 sums whatever the activations' precision
-    rounded = 1e-2 if dtype == torch.bfloat16 else None
-    assert_rel_close(out.to_local().double(), layout_.take_local(ref_out).detach(), "output", rtol=rounded or RTOL)
-    assert_rel_close(local.grad.double(), layout_.take_local(ref[0].grad), "grad of input", rtol=rounded or RTOL)
+    rtol = 1e-2 if dtype == torch.bfloat16 else RTOL
+    assert_rel_close(out.to_local().double(), layout_.take_local(ref_out).detach(), "output", rtol=rtol)
+    assert_rel_close(local.grad.double(), layout_.take_local(ref[0].grad), "grad of input", rtol=rtol)
     for name, p, r in zip(("weight", "bias"), ours, ref[1:]):
         total = p.grad.clone()
         dist.all_reduce(total)  # gloo reduces CUDA tensors (through the host)
