@@ -31,6 +31,7 @@ the next step while the device finishes this one), and reports their mean. CPU s
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -100,7 +101,8 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="profile the first timed step of local rank 0 or a fake rank, and the baseline's",
+        help="profile the first timed step of local rank 0 or a fake rank, and the baseline's: a table of the ops and "
+        "a Chrome trace (.json.gz)",
     )
     p.add_argument(
         "--timing",
@@ -201,6 +203,11 @@ class StepTimer(L.Callback):
                 f.write("every op, device time (us), calls\n")  # what two runs' tables are compared by
                 for e in sorted(table, key=lambda e: -e.self_device_time_total):
                     f.write(json.dumps([e.key, round(e.self_device_time_total, 1), e.count]) + "\n")
+            trace = self.profile_to.removesuffix(".txt") + "_trace.json"  # the timeline: where the device idles
+            self.profiler.export_chrome_trace(trace)
+            with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as z:
+                z.write(f.read())
+            os.remove(trace)
             self.profiler = None
         # the submodules the strategy wrapped: replaying (True) or eager (False: warming up, or a capture failed)
         self.graphed = {n: m.captured for n, m in pl_module.named_modules() if isinstance(m, CUDAGraphed)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import subprocess
 import sys
@@ -153,7 +154,7 @@ def _trainer_step_row(tmp_path, args: list[str]) -> dict:
 def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
     """``--fake-world``: one process plays rank 1 of a 3-rank width split through the Trainer (the fake backend), and
     ``--baseline shard`` runs the plain model alone on that rank's 32 of 96 columns first; ``--profile`` profiles the
-    first timed step of each, and lists every op of it; no timing is asserted."""
+    first timed step of each, lists every op of it and writes its timeline; no timing is asserted."""
     args = ["--accelerator", "cpu", "--strategy", "spatial_tp", "--model", "convnext_atto", "--height", "32"]
     args += ["--width", "96", "--fake-world", "3", "--baseline", "shard", "--steps", "2", "--warmup", "1", "--profile"]
     row = _trainer_step_row(tmp_path, args)
@@ -165,6 +166,9 @@ def test_trainer_benchmark_plays_one_rank_beside_its_shard_alone(tmp_path):
         assert json.loads(header)["fake_world"] == world and json.loads(header)["strategy"] == strategy
         ops = [json.loads(line)[0] for line in tables.split("every op, device time (us), calls\n")[1].splitlines()]
         assert "aten::convolution" in ops and ("_FetchWindow" in ops) == (strategy == "spatial_tp")
+        with gzip.open(profile.with_name(profile.stem + "_trace.json.gz")) as f:  # the step's timeline
+            names = {e.get("name") for e in json.load(f)["traceEvents"]}
+        assert "aten::convolution" in names and ("_FetchWindow" in names) == (strategy == "spatial_tp")
 
 
 def test_trainer_benchmark_plays_a_tile_of_a_2d_group(tmp_path):
