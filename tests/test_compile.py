@@ -268,6 +268,45 @@ def test_trainer_fits_a_compiled_module_to_the_single_device_weights(how):
     assert_same_weights(ours, reference, tolerance=1e-5)
 
 
+class _Block(torch.nn.Module):
+    """Ends in a frame of its own (the graph break), which dynamo compiles again for each size it meets."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        torch._dynamo.graph_break()
+        return h * h.sigmoid() + h.mean(-1, keepdim=True)
+
+
+class TwoScales(LitModel):
+    """Per-pixel logits from blocks at two scales, as a feature pyramid's heads run."""
+
+    def __init__(self):
+        super().__init__("segnet")
+        torch.manual_seed(0)
+        self.model = torch.nn.ModuleDict({"fine": _Block(), "coarse": _Block()})
+
+    def forward(self, x):
+        y = self.model.fine(x)
+        return y + F.interpolate(self.model.coarse(F.avg_pool2d(y, 2)), scale_factor=2.0)
+
+
+@pytest.mark.slow
+def test_trainer_fits_a_compiled_module_whose_code_meets_several_sizes():
+    """Code compiled again at a second size keeps the shards' sizes static for the run (with dynamo's automatic
+    dynamic shapes they became symbols, which the op layer's layouts cannot compare: an internal dynamo error); the
+    weights are one device's."""
+    data = Images(4, 16, 24)
+    reference = TwoScales()
+    fit(reference, "auto", 1, data, 4)
+    ours = TwoScales()
+    fit(torch.compile(ours, backend=recording()), SpatialParallelStrategy(2, start_method="fork"), 2, data, 4)
+    assert_same_weights(ours, reference, tolerance=1e-5)
+
+
 @pytest.mark.slow
 def test_trainer_fits_a_compiled_timm_model_in_float64_on_2x2_tiles():
     data = Images(4, 64, 64)
