@@ -297,8 +297,8 @@ class TwoScales(LitModel):
 @pytest.mark.slow
 def test_trainer_fits_a_compiled_module_whose_code_meets_several_sizes():
     """Code compiled again at a second size keeps the shards' sizes static for the run (with dynamo's automatic
-    dynamic shapes they became symbols, which the op layer's layouts cannot compare: an internal dynamo error); the
-    weights are one device's."""
+    dynamic shapes they became symbols and the run failed: a shard met its global size in a later graph, or dynamo
+    stopped comparing layouts of symbolic sizes); the weights are one device's."""
     data = Images(4, 16, 24)
     reference = TwoScales()
     fit(reference, "auto", 1, data, 4)
