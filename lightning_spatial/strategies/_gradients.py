@@ -43,8 +43,7 @@ def before_ddp(module: torch.nn.Module, run: ExitStack) -> None:
     splitting off until ``run`` closes. A compiled module's graph is not split at DDP's buckets: AOT autograd fails
     on the split pieces when they hold our messages (ordered effects; torch 2.14, docs/design.md). Gradients are
     then reduced after the compiled backward rather than during it."""
-    run.callback(setattr, torch._dynamo.config, "optimize_ddp", torch._dynamo.config.optimize_ddp)
-    torch._dynamo.config.optimize_ddp = False
+    run.enter_context(torch._dynamo.config.patch(optimize_ddp=False))
     gradients_laid_out_like_parameters(module)
 
 

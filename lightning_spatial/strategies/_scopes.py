@@ -50,9 +50,7 @@ class RunScope(ExitStack):
         self.callback(self.metrics.release)
         # compiled code keeps a shard's sizes static: where one frame meets a second size, dynamo's automatic
         # dynamic shapes would make them symbols, which the op layer's layouts (plain ints) cannot compare
-        dynamo = torch._dynamo.config
-        self.callback(setattr, dynamo, "automatic_dynamic_shapes", dynamo.automatic_dynamic_shapes)
-        dynamo.automatic_dynamic_shapes = False
+        self.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False))
 
     def adopt(self, root: torch.nn.Module) -> None:
         """``root``'s module paths for messages, and its metrics for the data axis (again for metrics made since)."""

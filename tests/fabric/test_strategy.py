@@ -116,6 +116,7 @@ def _collectives() -> None:
     assert model.module.count.compute() == 2
     fabric.strategy.teardown()
     assert run.current() is run._RUNS[0] and torch._dynamo.config.optimize_ddp is True, "the run outlived teardown"
+    assert torch._dynamo.config.automatic_dynamic_shapes is True, "dynamo's automatic dynamic shapes were left off"
     assert model.module.count.process_group is None
 
 

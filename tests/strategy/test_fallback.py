@@ -40,6 +40,7 @@ def _modes():
         _fit("error")
     assert run.current() is run._RUNS[0], "the run outlived its Trainer"
     assert torch._dynamo.config.optimize_ddp is True, "dynamo's DDP graph splitting was left off"
+    assert torch._dynamo.config.automatic_dynamic_shapes is True, "dynamo's automatic dynamic shapes were left off"
     assert run.current().fallback == "warn" and run.current().module_names == {}, "the run's settings leaked"
     for mode, expected in (("warn", 1), ("silent", 0)):  # 4 steps call the op; each run announces anew
         with warnings.catch_warnings(record=True) as caught:
