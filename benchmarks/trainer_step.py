@@ -31,7 +31,6 @@ the next step while the device finishes this one), and reports their mean. CPU s
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import statistics
@@ -203,11 +202,8 @@ class StepTimer(L.Callback):
                 f.write("every op, device time (us), calls\n")  # what two runs' tables are compared by
                 for e in sorted(table, key=lambda e: -e.self_device_time_total):
                     f.write(json.dumps([e.key, round(e.self_device_time_total, 1), e.count]) + "\n")
-            trace = self.profile_to.removesuffix(".txt") + "_trace.json"  # the timeline: where the device idles
-            self.profiler.export_chrome_trace(trace)
-            with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as z:
-                z.write(f.read())
-            os.remove(trace)
+            # the timeline, where the device idles (torch gzips a trace whose name ends in .gz)
+            self.profiler.export_chrome_trace(self.profile_to.removesuffix(".txt") + "_trace.json.gz")
             self.profiler = None
         # the submodules the strategy wrapped: replaying (True) or eager (False: warming up, or a capture failed)
         self.graphed = {n: m.captured for n, m in pl_module.named_modules() if isinstance(m, CUDAGraphed)}
