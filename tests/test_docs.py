@@ -131,7 +131,9 @@ def test_readme_test_command_is_what_ci_runs():
 # README's performance figures: each table row cites its result rows, and every number in it is recomputed from them.
 README = (ROOT / "README.md").read_text()
 RESULTS = ROOT / "benchmarks" / "results"
-RESULT_NAME = re.compile(r"\d{4}-\d{2}-\d{2}_(h200|h100|2xh200|cpu)_[0-9a-f]{7,40}_[\w.+-]+\.(jsonl|json|json\.gz|csv|png|txt)")
+RESULT_NAME = re.compile(
+    r"\d{4}-\d{2}-\d{2}_(h200|h100|2xh200|cpu)_[0-9a-f]{7,40}_[\w.+-]+\.(jsonl|json|json\.gz|csv|png|txt)"
+)
 CITATION = re.compile(r"\]\((benchmarks/results/[^)#\s]+)(?:#([^)\s]*))?\)")
 BASELINES = {"shard": "shard alone", "one device": "one device"}
 
